@@ -1,0 +1,33 @@
+# metrale-jax: every target does its own set-up (idempotent), so a fresh clone needs only
+# `make demo` or `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The interpreter that builds the venv: Python >= 3.12 (jax >= 0.11 needs it). .python-version
+# makes pyenv's python3 a 3.12 here; python3.12 is tried first where it is on PATH.
+PYTHON ?= $(shell for p in python3.13 python3.12 python3; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
+
+.PHONY: demo test bench fixtures clean
+
+$(STAMP): pyproject.toml setup.py constraints.txt
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (install one or set PYTHON=...)"; exit 2; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/metrale-jax diff --checkpoint tiny --steps 8 --verify-batch 4 --verify-batch-ks 4,3,2 --mtp --fragment-slots --speculative --num-drafts 3 --out out/demo_diff.json
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+fixtures:
+	bash scripts/make_hf_fixtures.sh
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,1 @@
+"""Gated DeltaNet core: chunked prefill and per-row recurrent (decode / verify)."""

@@ -1,0 +1,1 @@
+"""The hybrid model: pure functions of (params, config, inputs, state)."""

@@ -1,0 +1,86 @@
+"""Gated DeltaNet (linear attention) layer pieces, stateless: projections, short causal conv,
+gates, q/k preparation and the gated output.
+
+The stateful parts (which state a row starts from, where its state goes) belong to a state IO
+(`metrale_jax.model.state_io`); this module is pure math.
+
+Shapes: B batch, T rows, C = conv_dim = 2*nk*dk + nv*dv, Kc = conv kernel width.
+Conv channel order: all q, then all k, then all v (Qwen3-Next's interleaved projection is
+de-interleaved at load time, so params always hold the split Qwen3.5 form).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.model.norms import gated_rms_norm
+
+
+def _lin(x, w):
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def project(p, x, cfg: ModelConfig):
+    """x [B, T, Hd] -> (mixed [B, T, C] pre-conv, z [B, T, nv, dv], b [B, T, nv], a [B, T, nv])."""
+    b_, t = x.shape[:2]
+    mixed = _lin(x, p["w_qkv"])
+    z = _lin(x, p["w_z"]).reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    return mixed, z, _lin(x, p["w_b"]), _lin(x, p["w_a"])
+
+
+def causal_conv(mixed, window, w, lens):
+    """Depthwise causal conv + SiLU continuing from a window of earlier inputs.
+
+    mixed [B, T, C]; window [B, C, Kc] (the last Kc pre-conv columns before row 0, zeros at the
+    start of a sequence); w [C, Kc]; lens [B] int32 (rows >= lens are padding).
+    Returns (y [B, T, C] in mixed's dtype, windows [B, T, C, Kc] — the window after each row —,
+    final [B, C, Kc] — the window after row lens-1, or the input window when lens == 0).
+    """
+    kc = w.shape[-1]
+    t = mixed.shape[1]
+    ext = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(mixed.dtype), mixed], axis=1)  # [B, Kc+T, C]
+    taps = jnp.stack([ext[:, 1 + i : 1 + i + t] for i in range(kc)], axis=-1)  # [B, T, C, Kc]
+    y = jax.nn.silu(jnp.sum(taps * w.astype(mixed.dtype), axis=-1))
+    idx = lens[:, None] + jnp.arange(kc)[None, :]  # [B, Kc]: rows lens..lens+Kc-1 of ext
+    final = jnp.swapaxes(jnp.take_along_axis(ext, idx[:, :, None], axis=1), 1, 2)
+    return y, taps, final.astype(window.dtype)
+
+
+def split_qkv(y, cfg: ModelConfig):
+    """Post-conv [B, T, C] -> q, k [B, T, nk, dk] (L2-normalised, q scaled), v [B, T, nv, dv]; f32."""
+    b_, t = y.shape[:2]
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    y = y.astype(jnp.float32)
+    q = y[..., : cfg.key_dim].reshape(b_, t, nk, dk)
+    k = y[..., cfg.key_dim : 2 * cfg.key_dim].reshape(b_, t, nk, dk)
+    v = y[..., 2 * cfg.key_dim :].reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    return l2(q) * (dk**-0.5), l2(k), v
+
+
+def gates(p, b, a):
+    """beta = sigmoid(b) (activation dtype, then f32), g = -exp(A_log) * softplus(a + dt_bias) f32."""
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+    )
+    return beta, g
+
+
+def mask_rows(k, beta, g, lens):
+    """Make rows >= lens identity rows of the recurrence (k = beta = g = 0)."""
+    valid = jnp.arange(k.shape[1])[None, :] < lens[:, None]  # [B, T]
+    return (
+        jnp.where(valid[..., None, None], k, 0.0),
+        jnp.where(valid[..., None], beta, 0.0),
+        jnp.where(valid[..., None], g, 0.0),
+    )
+
+
+def output(p, o, z, cfg: ModelConfig, dtype):
+    """Core output o [B, T, nv, dv] f32 -> gated norm with z -> out_proj -> [B, T, Hd]."""
+    b_, t = o.shape[:2]
+    n = gated_rms_norm(o.astype(dtype), z, p["norm"], cfg.rms_norm_eps)
+    return _lin(n.reshape(b_, t, cfg.value_dim), p["out"])

@@ -1,0 +1,139 @@
+"""Where the model's stateful operations read and write: the trunk state pool and the state IO.
+
+Owns: `TrunkState` (the per-slot GDN recurrent state and conv window, the paged KV of the
+full-attention layers, and the optional write-on-accept verify rows) and `PoolIO`, the object the
+trunk calls for every stateful op (GDN conv + core, KV write + attention).
+
+Invariants:
+- A row reads only its own sequence's slot and blocks; padding rows (position < 0, rows >= lens)
+  write only the dummy slot / null block / dummy verify rows, never a real one.
+- `gdn_mode="chunk"` (prefill) keeps only each sequence's final state; `gdn_mode="rows"` (decode,
+  verify) runs the recurrence row by row and, when verify rows are present, writes the state after
+  every row but the last into the sequence's verify rows (write-on-accept) and the conv window after
+  every row into its verify conv rows. The live slot always ends holding the state after the last
+  valid row.
+- Which implementation computes each op (jnp reference or Pallas kernel) is the `ops` object's
+  business; this file never changes with the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.model import gdn as gdn_math
+from kernels_pallas.gdn import reference as gdn_ref
+from kernels_pallas.paged_attention import reference as attn_ref
+
+
+@struct.dataclass
+class TrunkState:
+    """gdn_h [L_lin, S, nv, dk, dv] (f32 or f16 pool); gdn_conv [L_lin, S, C, Kc];
+    kv_k / kv_v [L_full, NB, bs, KV, D]; verify_h [L_lin, R_v, nv, dk, dv] or None;
+    verify_conv [L_lin, S_v, K_v, C, Kc] or None."""
+
+    gdn_h: jax.Array
+    gdn_conv: jax.Array
+    kv_k: jax.Array
+    kv_v: jax.Array
+    verify_h: Optional[jax.Array] = None
+    verify_conv: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceOps:
+    """The `xla` forward's implementations: the kernels' jnp reference twins."""
+
+    name: str = "xla"
+
+    def gdn_chunk(self, q, k, v, g, beta, h0):
+        return gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, h0)
+
+    def gdn_rows(self, q, k, v, g, beta, h0):
+        return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, h0)
+
+    def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block):
+        return attn_ref.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block)
+
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale):
+        return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolIO:
+    """The per-call addressing of a batch of sequences into a `TrunkState`.
+
+    slots [B] int32 (live GDN slot per sequence); lens [B] int32 (valid rows per sequence);
+    positions [B, T] int32 (absolute position per row, -1 for padding); block_tables [B, MB] int32;
+    null_block: the physical block padding rows write into; verify addressing (only with
+    gdn_mode="rows" and verify pools present): vrow_base [B] (first verify-h row of the sequence),
+    vslot [B] (verify conv slot).
+    """
+
+    cfg: ModelConfig
+    slots: Any
+    lens: Any
+    positions: Any
+    block_tables: Any
+    null_block: int
+    gdn_mode: str
+    ops: Any = ReferenceOps()
+    vrow_base: Any = None
+    vslot: Any = None
+
+    def gdn(self, state: TrunkState, li: int, p, mixed, b, a):
+        """Conv + delta rule for linear layer li. Returns (o [B, T, nv, dv] f32, new state)."""
+        cfg = self.cfg
+        h0 = state.gdn_h[li][self.slots].astype(jnp.float32)
+        w0 = state.gdn_conv[li][self.slots]
+        y, windows, final_w = gdn_math.causal_conv(mixed, w0, p["conv"], self.lens)
+        q, k, v = gdn_math.split_qkv(y, cfg)
+        beta, g = gdn_math.gates(p, b, a)
+        k, beta, g = gdn_math.mask_rows(k, beta, g, self.lens)
+        hdt = state.gdn_h.dtype
+        if self.gdn_mode == "chunk":
+            o, h_final = self.ops.gdn_chunk(q, k, v, g, beta, h0)
+        else:
+            o, rows = self.ops.gdn_rows(q, k, v, g, beta, h0)
+            last = jnp.maximum(self.lens - 1, 0)
+            h_final = jnp.take_along_axis(rows, last[:, None, None, None, None], axis=1)[:, 0]
+            h_final = jnp.where((self.lens > 0)[:, None, None, None], h_final, h0)
+            if state.verify_h is not None and self.vrow_base is not None:
+                state = self._write_verify_rows(state, li, rows.astype(hdt), windows)
+        state = state.replace(
+            gdn_h=state.gdn_h.at[li, self.slots].set(h_final.astype(hdt)),
+            gdn_conv=state.gdn_conv.at[li, self.slots].set(final_w),
+        )
+        return o, state
+
+    def _write_verify_rows(self, state, li, rows, windows):
+        """Write-on-accept: verify_h gets the state after rows 0..lens-2, verify_conv the window
+        after rows 0..lens-1; everything else goes to the dummy rows (row 0 of the dummy slot)."""
+        b, t = rows.shape[:2]
+        r = jnp.arange(t)[None, :]
+        dummy_row = state.verify_h.shape[1] - 1
+        h_dst = jnp.where(r < self.lens[:, None] - 1, self.vrow_base[:, None] + r, dummy_row)
+        dummy_vslot = state.verify_conv.shape[1] - 1
+        kv = state.verify_conv.shape[2]
+        c_ok = (r < self.lens[:, None]) & (r < kv)
+        c_slot = jnp.where(c_ok, self.vslot[:, None], dummy_vslot)
+        c_row = jnp.where(c_ok, r, 0)
+        win = windows.astype(state.verify_conv.dtype)  # [B, T, C, Kc]
+        return state.replace(
+            verify_h=state.verify_h.at[li, h_dst].set(rows),
+            verify_conv=state.verify_conv.at[li, c_slot, c_row].set(win),
+        )
+
+    def attention(self, state: TrunkState, ai: int, q, k, v):
+        """Write rows' K/V into layer ai's blocks, then attend. Returns (o [B, T, H, D], state)."""
+        kc, vc = self.ops.write_kv(
+            state.kv_k[ai], state.kv_v[ai], k, v, self.block_tables, self.positions, self.null_block
+        )
+        o = self.ops.attention(q, kc, vc, self.block_tables, self.positions, self.cfg.head_dim**-0.5)
+        state = state.replace(kv_k=state.kv_k.at[ai].set(kc), kv_v=state.kv_v.at[ai].set(vc))
+        return o, state

@@ -1,0 +1,79 @@
+"""The hybrid trunk, the LM head and the MTP head as pure functions over a state IO.
+
+Owns: the layer loop (pre-norm, two residual adds), the layer-kind dispatch (GDN or gated
+attention; MoE or dense FFN), the final norm + lm_head, and the MTP module's forward.
+
+Invariants:
+- `trunk` returns the pre-final-norm hidden (what the engine stashes) and the new state; `head`
+  applies the final norm and the lm_head and returns float32 logits.
+- The MTP head sees `embed(token)` and the trunk hidden after the final norm (config switch
+  `mtp_hidden_postnorm`); it shares the trunk's embedding and lm_head.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from metrale_jax.config import FULL, ModelConfig
+from metrale_jax.model import attention as attn_math
+from metrale_jax.model import gdn as gdn_math
+from metrale_jax.model.mlp import ffn
+from metrale_jax.model.norms import rms_norm
+
+
+def decoder_layer(lp, x, positions, cfg: ModelConfig, kind: str, idx: int, io, state):
+    """One pre-norm block. idx indexes the layer's kind in the state (linear or full layer number)."""
+    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    if kind == FULL:
+        q, k, v, gate = attn_math.project(lp["attn"], h, positions, cfg)
+        o, state = io.attention(state, idx, q, k, v)
+        x = x + attn_math.output(lp["attn"], o, gate)
+    else:
+        mixed, z, b, a = gdn_math.project(lp["gdn"], h, cfg)
+        o, state = io.gdn(state, idx, lp["gdn"], mixed, b, a)
+        x = x + gdn_math.output(lp["gdn"], o, z, cfg, x.dtype)
+    x = x + ffn(lp["mlp"], rms_norm(x, lp["post_norm"], cfg.rms_norm_eps), cfg)
+    return x, state
+
+
+def trunk(params, cfg: ModelConfig, tokens, io, state):
+    """tokens [B, T] int32 -> (hidden [B, T, Hd] before the final norm, new state)."""
+    x = params["embed"][tokens]
+    counters = {"linear_attention": 0, FULL: 0}
+    for lp, kind in zip(params["layers"], cfg.layer_types):
+        x, state = decoder_layer(lp, x, io.positions, cfg, kind, counters[kind], io, state)
+        counters[kind] += 1
+    return x, state
+
+
+def lm_head(params, cfg: ModelConfig, normed):
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("...i,vi->...v", normed, w).astype(jnp.float32)
+
+
+def final_norm(params, cfg: ModelConfig, hidden):
+    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+
+
+def head(params, cfg: ModelConfig, hidden):
+    """Pre-norm hidden [..., Hd] -> float32 logits [..., V]."""
+    return lm_head(params, cfg, final_norm(params, cfg, hidden))
+
+
+def mtp_forward(params, cfg: ModelConfig, tokens, hidden_in, io, state, layer: int = 0):
+    """One MTP step over rows: tokens [B, T] (the next tokens), hidden_in [B, T, Hd] (the trunk's
+    normed hidden, or the previous MTP step's normed output when chaining).
+
+    Returns (m [B, T, Hd] after mtp.norm — the next chained hidden —, logits f32, new state).
+    The MTP layer is a full-attention layer whose KV is layer `layer` of the IO's state.
+    """
+    mp = params["mtp"]
+    e = params["embed"][tokens]
+    u = jnp.concatenate(
+        [rms_norm(e, mp["norm_embedding"], cfg.rms_norm_eps), rms_norm(hidden_in, mp["norm_hidden"], cfg.rms_norm_eps)],
+        axis=-1,
+    )
+    u = jnp.einsum("...i,oi->...o", u, mp["fc"])
+    u, state = decoder_layer(mp["layers"][layer], u, io.positions, cfg, FULL, layer, io, state)
+    m = rms_norm(u, mp["norm"], cfg.rms_norm_eps)
+    return m, lm_head(params, cfg, m), state

@@ -1,0 +1,159 @@
+"""The parameter pytree: its structure (one place), a seeded random initialiser, and shape specs.
+
+Owns: `param_specs(config)` — the nested dict of `ParamSpec(shape, kind)` every other piece
+(initialiser, checkpoint loader and writer, memory planner) walks — and `init_params`.
+
+Structure (weights in HF [out, in] orientation; GDN always in the split Qwen3.5 form):
+  embed [V, Hd], final_norm [Hd], lm_head [V, Hd] (absent when tied),
+  layers[i]: input_norm, post_norm [Hd];
+    gdn: w_qkv [C, Hd], w_z [nv*dv, Hd], w_b [nv, Hd], w_a [nv, Hd], conv [C, Kc],
+         dt_bias [nv], A_log [nv], norm [dv], out [Hd, nv*dv]
+    attn: wq [H*2D, Hd] (per head: D query rows then D gate rows), wk, wv [KV*D, Hd],
+          wo [Hd, H*D], q_norm, k_norm [D]
+    mlp: dense {gate, up [I, Hd], down [Hd, I]} or
+         moe {router [E, Hd], gate_up [E, 2I, Hd], down [E, Hd, I], shared {gate, up, down},
+              shared_gate [1, Hd]}
+  mtp (when num_mtp_layers > 0): fc [Hd, 2Hd], norm_embedding, norm_hidden, norm [Hd],
+       layers[j]: a full-attention layer as above (MLP kind of layer 0).
+Invariant: `init_params(c, s, d)` and `jax.eval_shape` of it have exactly the shapes of
+`param_specs(c)`; zero-centred norm weights are stored zero-centred (applied as 1 + w).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.config import FULL, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    # linear | embed | norm0 (zero-centred) | norm1 (gated, applied as w) | conv | a_log | dt_bias
+    kind: str
+
+
+def _dense_mlp(hd: int, inter: int):
+    return {
+        "gate": ParamSpec((inter, hd), "linear"),
+        "up": ParamSpec((inter, hd), "linear"),
+        "down": ParamSpec((hd, inter), "linear"),
+    }
+
+
+def _mlp(cfg: ModelConfig, moe: bool):
+    hd = cfg.hidden_size
+    if not moe:
+        return _dense_mlp(hd, cfg.intermediate_size)
+    e, i = cfg.num_experts, cfg.moe_intermediate_size
+    return {
+        "router": ParamSpec((e, hd), "linear"),
+        "gate_up": ParamSpec((e, 2 * i, hd), "linear"),
+        "down": ParamSpec((e, hd, i), "linear"),
+        "shared": _dense_mlp(hd, cfg.shared_expert_intermediate_size),
+        "shared_gate": ParamSpec((1, hd), "linear"),
+    }
+
+
+def _attn(cfg: ModelConfig):
+    hd, h, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return {
+        "wq": ParamSpec((h * 2 * d, hd), "linear"),
+        "wk": ParamSpec((kv * d, hd), "linear"),
+        "wv": ParamSpec((kv * d, hd), "linear"),
+        "wo": ParamSpec((hd, h * d), "linear"),
+        "q_norm": ParamSpec((d,), "norm0"),
+        "k_norm": ParamSpec((d,), "norm0"),
+    }
+
+
+def _gdn(cfg: ModelConfig):
+    hd, nv = cfg.hidden_size, cfg.linear_num_value_heads
+    return {
+        "w_qkv": ParamSpec((cfg.conv_dim, hd), "linear"),
+        "w_z": ParamSpec((cfg.value_dim, hd), "linear"),
+        "w_b": ParamSpec((nv, hd), "linear"),
+        "w_a": ParamSpec((nv, hd), "linear"),
+        "conv": ParamSpec((cfg.conv_dim, cfg.linear_conv_kernel_dim), "conv"),
+        "dt_bias": ParamSpec((nv,), "dt_bias"),
+        "A_log": ParamSpec((nv,), "a_log"),
+        "norm": ParamSpec((cfg.linear_value_head_dim,), "norm1"),
+        "out": ParamSpec((hd, cfg.value_dim), "linear"),
+    }
+
+
+def _layer(cfg: ModelConfig, kind: str, moe: bool):
+    hd = cfg.hidden_size
+    mixer = {"attn": _attn(cfg)} if kind == FULL else {"gdn": _gdn(cfg)}
+    return {
+        "input_norm": ParamSpec((hd,), "norm0"),
+        "post_norm": ParamSpec((hd,), "norm0"),
+        **mixer,
+        "mlp": _mlp(cfg, moe),
+    }
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The parameter tree of `cfg`, with a `ParamSpec` at every leaf."""
+    hd, v = cfg.hidden_size, cfg.vocab_size
+    tree = {
+        "embed": ParamSpec((v, hd), "embed"),
+        "final_norm": ParamSpec((hd,), "norm0"),
+        "layers": [_layer(cfg, t, cfg.is_moe_layer(i)) for i, t in enumerate(cfg.layer_types)],
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = ParamSpec((v, hd), "linear")
+    if cfg.num_mtp_layers:
+        tree["mtp"] = {
+            "fc": ParamSpec((hd, 2 * hd), "linear"),
+            "norm_embedding": ParamSpec((hd,), "norm0"),
+            "norm_hidden": ParamSpec((hd,), "norm0"),
+            "norm": ParamSpec((hd,), "norm0"),
+            "layers": [_layer(cfg, FULL, cfg.mtp_is_moe) for _ in range(cfg.num_mtp_layers)],
+        }
+    return tree
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def _init_leaf(spec: ParamSpec, key, dtype):
+    shape = spec.shape
+    if spec.kind in ("linear", "conv"):
+        fan_in = shape[-1]
+        w = jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5
+    elif spec.kind == "embed":
+        w = jax.random.normal(key, shape, jnp.float32)
+    elif spec.kind == "norm0":
+        w = 0.1 * jax.random.normal(key, shape, jnp.float32)
+    elif spec.kind == "norm1":
+        w = 1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)
+    elif spec.kind == "a_log":
+        w = jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+    elif spec.kind == "dt_bias":
+        w = jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0)
+    else:
+        raise ValueError(f"unknown parameter kind {spec.kind}")
+    return w.astype(dtype)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
+    """Seeded random parameters with the structure of `param_specs(cfg)`.
+
+    Linear weights are N(0, 1/fan_in) (not HF's 0.02: on a small model that gives near-uniform
+    logits and near-tie argmaxes, which make greedy tests meaningless); every norm weight is
+    randomised so a missing `1 + w` cannot go unnoticed. Deterministic in (cfg, seed, dtype).
+    """
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [_init_leaf(s, k, dtype) for s, k in zip(leaves, keys)])
+
+
+def count_params(tree) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
