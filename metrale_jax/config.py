@@ -178,6 +178,12 @@ class ModelConfig:
         }
         if not self.mtp_hidden_postnorm:
             d["mtp_hidden_postnorm"] = False
+        if self.trunk_prefix == "model.language_model":
+            # Qwen3.5 releases wrap the text model in a multimodal config.
+            wrapper = {v: k for k, v in _WRAPPERS.items()}[self.model_type]
+            d["mtp_num_hidden_layers"] = d.pop("num_nextn_predict_layers")
+            d["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+            return {"model_type": wrapper, "text_config": d, "tie_word_embeddings": self.tie_word_embeddings}
         return d
 
 

@@ -202,9 +202,12 @@ def serve_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def pop_serve_raw(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Remove the serve flags from a command's `kwargs` and return them (for `resolve_settings`)."""
-    return {name: kwargs.pop(name) for name in list(kwargs) if name in SERVE_SETTINGS}
+def pop_serve_raw(ctx: click.Context, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove the serve flags from a command's `kwargs`; return those given on the command line
+    (not defaulted), ready for `resolve_settings`, which then knows what was asked for."""
+    raw = {name: kwargs.pop(name) for name in list(kwargs) if name in SERVE_SETTINGS}
+    return {name: value for name, value in raw.items()
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
 
 
 def _shown(value: Any) -> str:
@@ -219,8 +222,9 @@ def resolve_settings(
 ) -> EngineSettings:
     """Resolve raw serve flags into `EngineSettings`.
 
-    `raw` maps flag parameter names (as `serve_options` produces) to values; absent names take
-    the flag's default, unknown names are refused. `behavior` is the model's MODEL.toml
+    `raw` maps the flags that were given (parameter names, values as `serve_options` parses
+    them; see `pop_serve_raw`) to values; absent names take the flag's default (rule "engine
+    default"), unknown names are refused. `behavior` is the model's MODEL.toml
     `[behavior]` (None: absent). `auto_slots` is what `--max-batch-size auto` resolves to (the
     caller's fit; 1..=128). Raises `SettingsError` listing every violation.
     """
@@ -231,16 +235,15 @@ def resolve_settings(
         raise SettingsError([f"unknown serve setting {name!r}" for name in unknown])
     v = {f.name: raw.get(f.name, f.default) for f in _FLAGS}
     b = behavior or Behavior()
-    defaults = {f.name: f.default for f in _FLAGS}
     errors: list[str] = []
     rows: dict[str, Provenance] = {}
 
     def row(name: str, effective: Any, rule: str) -> None:
-        rows[name] = Provenance("--" + name.replace("_", "-"), _shown(v[name]),
+        rows[name] = Provenance("--" + name.replace("_", "-"), _shown(raw.get(name)),
                                 _shown(effective), rule)
 
     def plain(name: str) -> str:
-        return RULE_FLAG if v[name] != defaults[name] else RULE_DEFAULT
+        return RULE_FLAG if name in raw else RULE_DEFAULT
 
     # --max-batch-size N|auto
     mbs_text = str(v["max_batch_size"]).strip()
@@ -320,7 +323,7 @@ def resolve_settings(
     if ssm_h_dtype not in SSM_H_DTYPES:
         errors.append(f"--ssm-h-dtype must be one of {', '.join(SSM_H_DTYPES)}, "
                       f"got {ssm_h_dtype!r}")
-    row("ssm_h_dtype", ssm_h_dtype, RULE_FLAG if v["ssm_h_dtype"] is not None else RULE_DEFAULT)
+    row("ssm_h_dtype", ssm_h_dtype, plain("ssm_h_dtype"))
 
     if v["ssm_rollback_mode"] not in SSM_ROLLBACK_MODES:
         errors.append(f"--ssm-rollback-mode must be one of {', '.join(SSM_ROLLBACK_MODES)}, "
@@ -334,9 +337,9 @@ def resolve_settings(
         ring = 0 if v["speculative"] else DECODE_ROLLBACK_RING_SLOTS
         rule = f"{RULE_AUTO} ({'off under --speculative' if v['speculative'] else 'full depth'})"
     elif ring_text.isdigit() and int(ring_text) <= DECODE_ROLLBACK_RING_SLOTS:
-        ring, rule = int(ring_text), RULE_FLAG
+        ring, rule = int(ring_text), plain("ssm_decode_ring_slots")
     else:
-        ring, rule = 0, RULE_FLAG
+        ring, rule = 0, plain("ssm_decode_ring_slots")
         errors.append(f"--ssm-decode-ring-slots must be auto or an integer in "
                       f"0..={DECODE_ROLLBACK_RING_SLOTS}, got {ring_text!r}")
     row("ssm_decode_ring_slots", ring, rule)

@@ -70,7 +70,8 @@ class PoolIO:
 
     slots [B] int32 (live GDN slot per sequence); lens [B] int32 (valid rows per sequence);
     positions [B, T] int32 (absolute position per row, -1 for padding); block_tables [B, MB] int32;
-    null_block: the physical block padding rows write into; verify addressing (only with
+    null_block: the physical block padding rows write into; fresh [B] bool or None (sequences
+    starting at position 0 read a zero state and window, whatever their slot held); verify addressing (only with
     gdn_mode="rows" and verify pools present): vrow_base [B] (first verify-h row of the sequence),
     vslot [B] (verify conv slot).
     """
@@ -83,6 +84,7 @@ class PoolIO:
     null_block: int
     gdn_mode: str
     ops: Any = ReferenceOps()
+    fresh: Any = None
     vrow_base: Any = None
     vslot: Any = None
 
@@ -91,6 +93,9 @@ class PoolIO:
         cfg = self.cfg
         h0 = state.gdn_h[li][self.slots].astype(jnp.float32)
         w0 = state.gdn_conv[li][self.slots]
+        if self.fresh is not None:
+            h0 = jnp.where(self.fresh[:, None, None, None], 0.0, h0)
+            w0 = jnp.where(self.fresh[:, None, None], jnp.zeros_like(w0), w0)
         y, windows, final_w = gdn_math.causal_conv(mixed, w0, p["conv"], self.lens)
         q, k, v = gdn_math.split_qkv(y, cfg)
         beta, g = gdn_math.gates(p, b, a)

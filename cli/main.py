@@ -1,0 +1,16 @@
+"""The `metrale-jax` command group. Owns only the wiring of subcommands."""
+
+from __future__ import annotations
+
+import click
+
+from metrale_jax_cli.logits_cmd import logits
+
+
+@click.group()
+@click.version_option(package_name="metrale-jax")
+def cli():
+    """metrale-jax: a functional JAX core for hybrid GDN + attention models with MTP speculative decoding."""
+
+
+cli.add_command(logits)

@@ -1,0 +1,178 @@
+"""Pallas (Triton-lowerable) Gated DeltaNet kernels: chunked prefill and per-row decode/verify.
+
+Owns: the two `pallas_call`s and their block layout. Callers go through `kernels_pallas.gdn.api`,
+which checks shapes first; these functions assume supported shapes.
+
+Layout (B batch, T rows, Hk key heads, H value heads, r = H // Hk, dk key dim, dv value dim):
+- grid = (B, H, dv // block_v); one program owns one value head's state columns
+  [dk, block_v] for the whole call, so the row/chunk recurrence runs inside the program.
+- GVA: value head h reads key head h // r through the q/k index maps; q and k are never repeated.
+
+Invariants:
+- Every op of a kernel body is the reference's op, in the reference's order, on the block that the
+  reference's batched op would give this (b, h) — so under the interpreter the kernels are
+  byte-equal to `kernels_pallas.gdn.reference` (the matvec form aside, see
+  `kernels_pallas.common.matvec_form`).
+- The state is float32 throughout; every output element is written exactly once.
+
+NOTE: state columns are independent in the delta rule (column j of S only ever meets column j of
+v), so `block_v` tiles dv across programs; each tile recomputes the chunk's dk-side terms (A, Tm,
+w, qk). A smaller block_v trades that recompute for occupancy and register pressure on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas.common import MatvecForm, matvec, matvec_form
+from kernels_pallas.gdn.reference import CHUNK
+
+
+def _rows_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, s_ref, *, rows: int, form: MatvecForm):
+    """One value head, state columns [dk, bv], `rows` rows unrolled (the reference scan's step).
+
+    q_ref, k_ref [T, dk]; v_ref [T, bv]; g_ref, b_ref [T]; h0_ref [dk, bv];
+    o_ref [T, bv]; s_ref [T, dk, bv] (the state after each row).
+    """
+    s = h0_ref[...]  # [dk, bv]
+    for t in range(rows):
+        q_t, k_t = q_ref[t], k_ref[t]  # [dk]
+        s = s * jnp.exp(g_ref[t])
+        kv_mem = matvec(s, k_t, form)  # [bv]
+        delta = (v_ref[t] - kv_mem) * b_ref[t]
+        s = s + k_t[:, None] * delta[None, :]
+        o_ref[t] = matvec(s, q_t, form)
+        s_ref[t] = s
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool):
+    """Per-row recurrence (decode / verify), every row's state out.
+
+    q, k [B, T, Hk, dk] f32; v [B, T, H, dv] f32; g, beta [B, T, H] f32; h0 [B, H, dk, dv] f32.
+    Returns (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32) as the reference does.
+    """
+    b, t, hk, dk = q.shape
+    heads, dv = v.shape[2:]
+    r = heads // hk
+    grid = (b, heads, dv // block_v)
+    qk_spec = pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h // r, 0))
+    v_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
+    gate_spec = pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, h))
+    return pl.pallas_call(
+        functools.partial(_rows_kernel, rows=t, form=matvec_form(interpret)),
+        grid=grid,
+        in_specs=[
+            qk_spec,
+            qk_spec,
+            v_spec,
+            gate_spec,
+            gate_spec,
+            pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j)),
+        ],
+        out_specs=[v_spec, pl.BlockSpec((None, t, None, dk, block_v), lambda i, h, j: (i, 0, h, 0, j))],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, t, heads, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, heads, dk, dv), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name=f"gdn_rows_t{t}_bv{block_v}",
+    )(q, k, v, g, beta, h0)
+
+
+def _select_row(x, i):
+    """Row i of a 2-D value (exact: one element and zeros per column). NOTE: Triton cannot index
+    a value dynamically, so rows are picked by mask."""
+    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.sum(jnp.where(rows == i, x, 0.0), axis=0)
+
+
+def _unit_lower_inverse(a, form: MatvecForm):
+    """(I + a)^{-1} for strictly lower-triangular a [C, C], by forward substitution over rows:
+    x_i = e_i - sum_j a_ij x_j (the order LAPACK's trsm takes on CPU)."""
+    c = a.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    eye = (rows == lax.broadcasted_iota(jnp.int32, (c, c), 1)).astype(jnp.float32)
+
+    def body(i, x):
+        x_i = _select_row(eye, i) - matvec(x, _select_row(a, i), form)  # [C]
+        return jnp.where(rows == i, x_i[None, :], x)
+
+    return lax.fori_loop(1, c, body, eye)
+
+
+def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, hT_ref, *, chunks: int, form: MatvecForm):
+    """One value head, state columns [dk, bv], the whole (padded) sequence in chunks of CHUNK.
+
+    q_ref, k_ref [Tp, dk]; v_ref [Tp, bv]; g_ref, b_ref [Tp]; h0_ref [dk, bv];
+    o_ref [Tp, bv]; hT_ref [dk, bv] (the state after the last chunk).
+    """
+    c = CHUNK
+    rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    tri_incl, tri_strict = rows >= cols, rows > cols
+    nt = (((1,), (1,)), ((), ()))  # x @ y.T
+    tn = (((0,), (0,)), ((), ()))  # x.T @ y
+
+    def step(n, s):
+        sl = pl.ds(n * c, c)
+        q, k, v, g, beta = q_ref[sl], k_ref[sl], v_ref[sl], g_ref[sl], b_ref[sl]  # [C, d] / [C]
+        k_beta = k * beta[:, None]
+        v_beta = v * beta[:, None]
+        gam = jnp.cumsum(g)  # [C]
+        decay = jnp.where(tri_incl, jnp.exp(jnp.where(tri_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+        a = jnp.where(tri_strict, lax.dot_general(k_beta, k, nt) * decay, 0.0)  # [C, C]
+        tm = _unit_lower_inverse(a, form)
+        u = tm @ v_beta  # [C, bv]
+        w = tm @ (k_beta * jnp.exp(gam)[:, None])  # [C, dk]
+        qk = jnp.where(tri_incl, lax.dot_general(q, k, nt) * decay, 0.0)
+        g_last = jnp.sum(jnp.where(rows[:, 0] == c - 1, gam, 0.0))  # gam[-1], exactly
+        v_new = u - w @ s
+        o_ref[sl] = (q * jnp.exp(gam)[:, None]) @ s + qk @ v_new
+        return s * jnp.exp(g_last) + lax.dot_general(k * jnp.exp(g_last - gam)[:, None], v_new, tn)
+
+    hT_ref[...] = lax.fori_loop(0, chunks, step, h0_ref[...])
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool):
+    """Chunked (WY) prefill, final state out.
+
+    Same arguments as `recurrent_gated_delta_rule`. Returns (o [B, T, H, dv] f32,
+    final_state [B, H, dk, dv] f32) as the reference does.
+
+    NOTE: T is padded to a multiple of CHUNK with identity rows (k = v = g = beta = 0), as in the
+    reference; the padded copy of the inputs is the only traffic beyond the kernel's own, and only
+    when T % CHUNK != 0.
+    """
+    b, t, hk, dk = q.shape
+    heads, dv = v.shape[2:]
+    r = heads // hk
+    pad = (-t) % CHUNK
+    if pad:
+        padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v, g, beta = map(padt, (q, k, v, g, beta))
+    tp = t + pad
+    qk_spec = pl.BlockSpec((None, tp, None, dk), lambda i, h, j: (i, 0, h // r, 0))
+    v_spec = pl.BlockSpec((None, tp, None, block_v), lambda i, h, j: (i, 0, h, j))
+    gate_spec = pl.BlockSpec((None, tp, None), lambda i, h, j: (i, 0, h))
+    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
+    o, final = pl.pallas_call(
+        functools.partial(_chunk_kernel, chunks=tp // CHUNK, form=matvec_form(interpret)),
+        grid=(b, heads, dv // block_v),
+        in_specs=[qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
+        out_specs=[v_spec, state_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, tp, heads, dv), jnp.float32),
+            jax.ShapeDtypeStruct((b, heads, dk, dv), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name=f"gdn_chunk_bv{block_v}",
+    )(q, k, v, g, beta, h0)
+    return o[:, :t], final

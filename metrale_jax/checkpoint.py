@@ -1,0 +1,403 @@
+"""Hugging Face safetensors checkpoints: lazy, validated loading and writing.
+
+Owns: the binding between HF tensor names (Qwen3-Next and Qwen3.5 layouts, plus the `mtp.*`
+head) and the parameter tree of `metrale_jax.params`, and the safetensors file format itself
+(a small reader that memory-maps the file, so bfloat16 and an 80B checkpoint load tensor by
+tensor without a second host copy).
+
+Invariants:
+- Every problem with a checkpoint (missing, unexpected, mis-shaped or non-float tensors, a
+  corrupt header, an index naming a missing shard) is found from the headers before any tensor
+  is read, and reported together in one `CheckpointError`.
+- `save_checkpoint(dir, cfg, params)` followed by `load_checkpoint(dir)` returns equal params.
+- Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba` are de-interleaved into the split form
+  on load and re-interleaved on save; experts stored per expert or fused both load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct as _struct
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
+from metrale_jax.params import is_spec, param_specs
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message lists every problem found."""
+
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_FLOAT = {"F64", "F32", "F16", "BF16"}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+# ---------------------------------------------------------------- the file format
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lives: file, dtype tag, shape, byte range within the data section."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    data_offset: int
+
+    def read(self) -> np.ndarray:
+        """Memory-map the tensor's bytes (no copy until the caller converts it)."""
+        count = int(np.prod(self.shape)) if self.shape else 1
+        arr = np.memmap(
+            self.path, dtype=_DTYPES[self.dtype], mode="r", offset=self.data_offset + self.start, shape=(count,)
+        )
+        return arr.reshape(self.shape)
+
+
+def read_header(path: str) -> dict[str, TensorRef]:
+    """Parse a safetensors header. Raises CheckpointError on a corrupt or truncated header."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = _struct.unpack("<Q", raw)
+            if n > size - 8 or n > 100 * 2**20:
+                raise CheckpointError(f"{path}: corrupt safetensors header (length {n} in a {size}-byte file)")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    out = {}
+    data_offset = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}") from None
+        if dtype not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        want = int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize
+        if end - start != want or data_offset + end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} has a byte range that does not fit its shape or the file")
+        out[name] = TensorRef(path, dtype, shape, start, end, data_offset)
+    return out
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Write tensors (any of the supported numpy dtypes, bfloat16 included) as safetensors."""
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        b = a.tobytes()
+        header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
+        offset += len(b)
+        blobs.append(b)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * ((-len(h)) % 8)
+    with open(path, "wb") as f:
+        f.write(_struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def index_checkpoint(directory: str) -> dict[str, TensorRef]:
+    """All tensors of a checkpoint directory: single file or sharded via the index JSON."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.exists(os.path.join(directory, s))]
+        if missing:
+            raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
+        refs: dict[str, TensorRef] = {}
+        for s in shards:
+            refs.update(read_header(os.path.join(directory, s)))
+        return refs
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.exists(single):
+        return read_header(single)
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no model.safetensors, index or *.safetensors file")
+    refs = {}
+    for f in files:
+        refs.update(read_header(os.path.join(directory, f)))
+    return refs
+
+
+# ---------------------------------------------------------------- name bindings
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """One parameter leaf and the HF tensors it is made of.
+
+    assemble(list of arrays in `names` order) -> leaf; split(leaf) -> list of arrays.
+    """
+
+    path: tuple
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    assemble: Callable[[Sequence[np.ndarray]], np.ndarray]
+    split: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _one(path, name, shape, fwd=lambda x: x, back=lambda x: x):
+    return Binding(path, (name,), (shape,), lambda a: fwd(a[0]), lambda w: [back(w)])
+
+
+def _qkvz_layout(cfg: ModelConfig):
+    nk, dk, r, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads // cfg.linear_num_key_heads, cfg.linear_value_head_dim
+    return nk, dk, r, dv
+
+
+def _deinterleave_qkvz(w, cfg):
+    """[nk*(2dk+2r*dv), Hd] grouped per key head -> (w_qkv [C, Hd], w_z [nv*dv, Hd])."""
+    nk, dk, r, dv = _qkvz_layout(cfg)
+    g = w.reshape(nk, 2 * dk + 2 * r * dv, -1)
+    q, k = g[:, :dk], g[:, dk : 2 * dk]
+    v, z = g[:, 2 * dk : 2 * dk + r * dv], g[:, 2 * dk + r * dv :]
+    flat = lambda x: x.reshape(-1, w.shape[-1])
+    return np.concatenate([flat(q), flat(k), flat(v)]), flat(z)
+
+
+def _interleave_qkvz(w_qkv, w_z, cfg):
+    nk, dk, r, dv = _qkvz_layout(cfg)
+    hd = w_qkv.shape[-1]
+    kd = nk * dk
+    q = w_qkv[:kd].reshape(nk, dk, hd)
+    k = w_qkv[kd : 2 * kd].reshape(nk, dk, hd)
+    v = w_qkv[2 * kd :].reshape(nk, r * dv, hd)
+    z = w_z.reshape(nk, r * dv, hd)
+    return np.concatenate([q, k, v, z], axis=1).reshape(-1, hd)
+
+
+def _deinterleave_ba(w, cfg):
+    nk, _, r, _ = _qkvz_layout(cfg)
+    g = w.reshape(nk, 2 * r, -1)
+    return g[:, :r].reshape(-1, w.shape[-1]), g[:, r:].reshape(-1, w.shape[-1])
+
+
+def _interleave_ba(w_b, w_a, cfg):
+    nk, _, r, _ = _qkvz_layout(cfg)
+    hd = w_b.shape[-1]
+    return np.concatenate([w_b.reshape(nk, r, hd), w_a.reshape(nk, r, hd)], axis=1).reshape(-1, hd)
+
+
+def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind: str, fused_experts: bool):
+    out = [
+        _one(path + ("input_norm",), f"{prefix}.input_layernorm.weight", spec["input_norm"].shape),
+        _one(path + ("post_norm",), f"{prefix}.post_attention_layernorm.weight", spec["post_norm"].shape),
+    ]
+    if kind == FULL:
+        a = spec["attn"]
+        for leaf, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
+            out.append(_one(path + ("attn", leaf), f"{prefix}.self_attn.{hf}.weight", a[leaf].shape))
+    else:
+        s = spec["gdn"]
+        p = path + ("gdn",)
+        la = f"{prefix}.linear_attn"
+        if cfg.weight_layout == "qwen3_next":
+            qkvz_rows = s["w_qkv"].shape[0] + s["w_z"].shape[0]
+            hd = s["w_qkv"].shape[1]
+            # The fused projections bind two leaves each; the pair is handled by one binding on a
+            # synthetic ("gdn", "qkvz") path that `_assign` splits.
+            out.append(Binding(p + ("qkvz",), (f"{la}.in_proj_qkvz.weight",), ((qkvz_rows, hd),),
+                               lambda a: _deinterleave_qkvz(a[0], cfg), lambda wz: [_interleave_qkvz(wz[0], wz[1], cfg)]))
+            out.append(Binding(p + ("ba",), (f"{la}.in_proj_ba.weight",), ((2 * s["w_b"].shape[0], hd),),
+                               lambda a: _deinterleave_ba(a[0], cfg), lambda ba: [_interleave_ba(ba[0], ba[1], cfg)]))
+        else:
+            for leaf, hf in (("w_qkv", "in_proj_qkv"), ("w_z", "in_proj_z"), ("w_b", "in_proj_b"), ("w_a", "in_proj_a")):
+                out.append(_one(p + (leaf,), f"{la}.{hf}.weight", s[leaf].shape))
+        c, kc = s["conv"].shape
+        out.append(_one(p + ("conv",), f"{la}.conv1d.weight", (c, 1, kc), lambda x: x[:, 0, :], lambda w: w[:, None, :]))
+        for leaf, hf in (("dt_bias", "dt_bias"), ("A_log", "A_log"), ("norm", "norm.weight"), ("out", "out_proj.weight")):
+            out.append(_one(p + (leaf,), f"{la}.{hf}", s[leaf].shape))
+    m = spec["mlp"]
+    mp = path + ("mlp",)
+    if "router" in m:
+        e, two_i, hd = m["gate_up"].shape
+        i = two_i // 2
+        out.append(_one(mp + ("router",), f"{prefix}.mlp.gate.weight", m["router"].shape))
+        if fused_experts:
+            out.append(_one(mp + ("gate_up",), f"{prefix}.mlp.experts.gate_up_proj", (e, two_i, hd)))
+            out.append(_one(mp + ("down",), f"{prefix}.mlp.experts.down_proj", m["down"].shape))
+        else:
+            names = tuple(f"{prefix}.mlp.experts.{x}.{w}_proj.weight" for x in range(e) for w in ("gate", "up"))
+            out.append(Binding(mp + ("gate_up",), names, ((i, hd),) * (2 * e),
+                               lambda a, e=e: np.stack([np.concatenate([a[2 * x], a[2 * x + 1]]) for x in range(e)]),
+                               lambda w, i=i: [part for x in w for part in (x[:i], x[i:])]))
+            names = tuple(f"{prefix}.mlp.experts.{x}.down_proj.weight" for x in range(e))
+            out.append(Binding(mp + ("down",), names, ((hd, i),) * e, lambda a: np.stack(list(a)), lambda w: list(w)))
+        for leaf in ("gate", "up", "down"):
+            out.append(_one(mp + ("shared", leaf), f"{prefix}.mlp.shared_expert.{leaf}_proj.weight", m["shared"][leaf].shape))
+        out.append(_one(mp + ("shared_gate",), f"{prefix}.mlp.shared_expert_gate.weight", m["shared_gate"].shape))
+    else:
+        for leaf in ("gate", "up", "down"):
+            out.append(_one(mp + (leaf,), f"{prefix}.mlp.{leaf}_proj.weight", m[leaf].shape))
+    return out
+
+
+def bindings(cfg: ModelConfig, fused_experts: bool | None = None) -> list[Binding]:
+    """Every parameter leaf of `cfg` bound to its HF tensor names."""
+    if fused_experts is None:
+        fused_experts = cfg.weight_layout == "qwen3_5"
+    spec = param_specs(cfg)
+    tp = cfg.trunk_prefix
+    out = [
+        _one(("embed",), f"{tp}.embed_tokens.weight", spec["embed"].shape),
+        _one(("final_norm",), f"{tp}.norm.weight", spec["final_norm"].shape),
+    ]
+    if "lm_head" in spec:
+        out.append(_one(("lm_head",), "lm_head.weight", spec["lm_head"].shape))
+    for i, kind in enumerate(cfg.layer_types):
+        out += _layer_bindings(cfg, spec["layers"][i], ("layers", i), f"{tp}.layers.{i}", kind, fused_experts)
+    if "mtp" in spec:
+        m = spec["mtp"]
+        out += [
+            _one(("mtp", "fc"), "mtp.fc.weight", m["fc"].shape),
+            _one(("mtp", "norm_embedding"), "mtp.pre_fc_norm_embedding.weight", m["norm_embedding"].shape),
+            _one(("mtp", "norm_hidden"), "mtp.pre_fc_norm_hidden.weight", m["norm_hidden"].shape),
+            _one(("mtp", "norm"), "mtp.norm.weight", m["norm"].shape),
+        ]
+        for j, ls in enumerate(m["layers"]):
+            out += _layer_bindings(cfg, ls, ("mtp", "layers", j), f"mtp.layers.{j}", FULL, fused_experts)
+    return out
+
+
+def _assign(tree, path, value):
+    *head, last = path
+    node = tree
+    for k in head:
+        node = node[k]
+    if last == "qkvz":
+        node["w_qkv"], node["w_z"] = value
+    elif last == "ba":
+        node["w_b"], node["w_a"] = value
+    else:
+        node[last] = value
+
+
+def _get(tree, path):
+    *head, last = path
+    node = tree
+    for k in head:
+        node = node[k]
+    if last == "qkvz":
+        return (node["w_qkv"], node["w_z"])
+    if last == "ba":
+        return (node["w_b"], node["w_a"])
+    return node[last]
+
+
+def _empty_tree(spec):
+    if isinstance(spec, dict):
+        return {k: _empty_tree(v) for k, v in spec.items()}
+    if isinstance(spec, list):
+        return [_empty_tree(v) for v in spec]
+    return None
+
+
+# ---------------------------------------------------------------- load / save
+
+
+_IGNORED = re.compile(r"^(model\.visual\.|visual\.)")
+
+
+def _mtp_layers_present(names) -> int:
+    ids = {int(m.group(1)) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))}
+    return max(ids) + 1 if ids else 0
+
+
+def plan_load(cfg: ModelConfig, refs: dict[str, TensorRef]) -> tuple[ModelConfig, list[Binding]]:
+    """Check a checkpoint's headers against `cfg`; return the (possibly MTP-completed) config and
+    bindings. Raises CheckpointError listing every missing, unexpected, mis-shaped or non-float
+    tensor."""
+    names = set(refs)
+    if cfg.num_mtp_layers == 0 and "mtp.fc.weight" in names:
+        # Qwen3-Next's release config has no MTP field; the checkpoint says how many layers it has.
+        cfg = cfg.replace(num_mtp_layers=_mtp_layers_present(names))
+    fused = any(".mlp.experts.gate_up_proj" in n for n in names)
+    binds = bindings(cfg, fused_experts=fused)
+    problems, used = [], set()
+    for b in binds:
+        for name, shape in zip(b.names, b.shapes):
+            used.add(name)
+            ref = refs.get(name)
+            if ref is None:
+                problems.append(f"missing tensor {name}")
+            elif ref.shape != shape:
+                problems.append(f"tensor {name} has shape {list(ref.shape)}, expected {list(shape)}")
+            elif ref.dtype not in _FLOAT:
+                problems.append(f"tensor {name} has dtype {ref.dtype}, expected a float dtype")
+    extra = sorted(n for n in names - used if not _IGNORED.match(n))
+    problems += [f"unexpected tensor {n}" for n in extra]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise CheckpointError(f"checkpoint does not match the config ({len(problems)} problem(s)): " + "; ".join(shown))
+    return cfg, binds
+
+
+def load_checkpoint(directory: str, dtype=None) -> tuple[ModelConfig, dict]:
+    """Load config.json + safetensors from `directory`. dtype: cast every tensor (default: keep
+    the stored float dtype). Tensors are read one at a time from memory maps."""
+    try:
+        cfg = load_model_config(directory)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    refs = index_checkpoint(directory)
+    cfg, binds = plan_load(cfg, refs)
+    tree = _empty_tree(param_specs(cfg))
+    for b in binds:
+        arrays = [refs[n].read() for n in b.names]
+        value = b.assemble(arrays)
+        conv = lambda x: jnp.asarray(np.asarray(x) if dtype is None else np.asarray(x).astype(dtype))
+        _assign(tree, b.path, tuple(conv(v) for v in value) if isinstance(value, tuple) else conv(value))
+    return cfg, tree
+
+
+def save_checkpoint(directory: str, cfg: ModelConfig, params: dict) -> None:
+    """Write config.json + model.safetensors in `cfg`'s checkpoint layout."""
+    os.makedirs(directory, exist_ok=True)
+    tensors = {}
+    for b in bindings(cfg):
+        leaf = _get(params, b.path)
+        leaf = tuple(np.asarray(x) for x in leaf) if isinstance(leaf, tuple) else np.asarray(leaf)
+        for name, arr in zip(b.names, b.split(leaf)):
+            tensors[name] = np.ascontiguousarray(arr)
+    write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=2)
+

@@ -1,0 +1,376 @@
+"""`Engine`: the thin imperative shell over the pure transitions.
+
+Owns: the device pool (replaced by each transition's output), the host bookkeeping (slots,
+blocks, sequence lengths, tokens), shape bucketing, the selected forward, and the checks that
+turn a bad request into an `EngineError` before anything changes.
+
+Invariants:
+- Every device-state change goes through one compiled transition with the pool donated; the
+  host never edits device state.
+- A refused request (capacity, exhaustion, misuse) leaves host and device state unchanged and
+  leaks no slot or block.
+- Widths are padded to `capacity.DECODE_BATCH_LADDER` and verify rows to K_max = num_drafts + 1
+  per sequence, so one program per (transition, width bucket, forward) is compiled; K per
+  sequence, slots and lengths are traced.
+- Verify is always write-on-accept: after it, `gdn_fold_accepted` must see every verdict before
+  `commit_accepted_prefix` runs (the same order as the original's scheduler).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.engine import transitions as tr
+from metrale_jax.engine.capacity import bucket_width, pool_counts
+from metrale_jax.engine.pool import allocate_pool
+from metrale_jax.engine.programs import ProgramCache
+from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
+from metrale_jax.engine.settings import EngineSettings
+from metrale_jax.model.state_io import ReferenceOps
+
+FORWARDS = ("xla", "pallas")
+
+
+def make_ops(name: str):
+    """The ops object of a forward: `xla` (jnp reference twins) or `pallas` (kernels)."""
+    if name == "xla":
+        return ReferenceOps()
+    if name == "pallas":
+        from kernels_pallas.ops import PallasOps
+
+        return PallasOps()
+    raise EngineError(f"unknown forward {name!r} (choose from {', '.join(FORWARDS)})")
+
+
+def _i32(x):
+    return jnp.asarray(np.asarray(x, dtype=np.int32))
+
+
+class Engine:
+    """Host shell of the engine. See the module docstring for the invariants."""
+
+    def __init__(self, cfg: ModelConfig, params, settings: EngineSettings, *, forward: str = "xla"):
+        unsupported = []
+        if settings.enable_prefix_caching:
+            unsupported.append("--enable-prefix-caching (prefix snapshots are not implemented by this engine)")
+        if settings.ssm_rollback_mode != "snapshot" and settings.speculative:
+            unsupported.append("--ssm-rollback-mode replay (this engine verifies with write-on-accept rows only)")
+        if settings.speculative and cfg.num_mtp_layers == 0:
+            unsupported.append("--speculative with a checkpoint that has no MTP layer")
+        if unsupported:
+            raise EngineError("not supported: " + "; ".join(unsupported))
+        self.cfg = cfg
+        self.params = params
+        self.settings = settings
+        self.dtype = params["embed"].dtype
+        self.counts = pool_counts(settings, cfg)
+        self.pool = allocate_pool(cfg, self.counts, settings, dtype=self.dtype)
+        self.drafter = self.counts.speculative and cfg.num_mtp_layers > 0
+        self.slots = SlotAllocator(self.counts.real_slots)
+        self.blocks = BlockAllocator(self.counts.kv_blocks - 1, "KV blocks")
+        self.draft_blocks = BlockAllocator(max(self.counts.draft_kv_blocks - 1, 0), "drafter KV blocks")
+        self.programs = ProgramCache()
+        self.forward = forward
+        self.ops = make_ops(forward)
+        self._next_id = 0
+        self._verify_hidden = None  # (hidden rows of the last verify, device)
+        self.mb = self.counts.max_blocks_per_seq
+        self.mbd = settings.max_seq_len // self.counts.draft_block_size + 2
+
+    # ------------------------------------------------------------ forward selection
+
+    def set_forward(self, name: str) -> None:
+        """Select the forward used from the next transition on (the model code is untouched)."""
+        self.ops = make_ops(name)
+        self.forward = name
+
+    def disclosure(self, name: str | None = None) -> dict:
+        return self.programs.disclosure(name or self.forward)
+
+    # ------------------------------------------------------------ sequences
+
+    def alloc_sequence(self) -> SequenceState:
+        slot = self.slots.alloc()
+        seq = SequenceState(seq_id=self._next_id, slot=slot)
+        self._next_id += 1
+        return seq
+
+    def free_sequence(self, seq: SequenceState) -> None:
+        if seq.freed:
+            raise EngineError(f"sequence {seq.seq_id} was already freed")
+        self.slots.free(seq.slot)
+        self.blocks.free_many(seq.blocks)
+        self.draft_blocks.free_many(seq.draft_blocks)
+        seq.blocks, seq.draft_blocks, seq.freed = [], [], True
+
+    def _reserve(self, seqs: Sequence[SequenceState], upto: Sequence[int]) -> None:
+        """Give each sequence KV blocks (and drafter blocks) for positions < upto[i]; all or none."""
+        bs, dbs = self.counts.block_size, self.counts.draft_block_size
+        need = [max(0, math.ceil(u / bs) - len(s.blocks)) for s, u in zip(seqs, upto)]
+        dneed = [max(0, math.ceil(u / dbs) - len(s.draft_blocks)) if self.drafter else 0 for s, u in zip(seqs, upto)]
+        for s, u in zip(seqs, upto):
+            if s.freed:
+                raise EngineError(f"sequence {s.seq_id} was freed")
+            if u > self.settings.max_seq_len:
+                raise EngineError(f"sequence {s.seq_id} would reach {u} tokens, over --max-seq-len {self.settings.max_seq_len}")
+        if sum(need) > self.blocks.free_count:
+            raise EngineError(f"KV blocks exhausted: {sum(need)} needed, {self.blocks.free_count} free")
+        if sum(dneed) > self.draft_blocks.free_count:
+            raise EngineError(f"drafter KV blocks exhausted: {sum(dneed)} needed, {self.draft_blocks.free_count} free")
+        for s, n, dn in zip(seqs, need, dneed):
+            s.blocks += self.blocks.alloc_many(n)
+            s.draft_blocks += self.draft_blocks.alloc_many(dn)
+
+    def _tables(self, seqs: Sequence[SequenceState | None]):
+        null, dnull = self.counts.kv_blocks - 1, max(self.counts.draft_kv_blocks - 1, 0)
+        bt = np.full((len(seqs), self.mb), null, np.int32)
+        dt = np.full((len(seqs), self.mbd), dnull, np.int32)
+        for i, s in enumerate(seqs):
+            if s is not None:
+                bt[i, : len(s.blocks)] = s.blocks
+                dt[i, : len(s.draft_blocks)] = s.draft_blocks
+        return _i32(bt), _i32(dt)
+
+    def _static(self, **extra):
+        return dict(cfg=self.cfg, counts=self.counts, ops=self.ops, **extra)
+
+    # ------------------------------------------------------------ prefill / decode
+
+    def _prefill_bucket(self, n: int) -> int:
+        cap = self.counts.prefill_chunk
+        return min(cap, max(16, 1 << (n - 1).bit_length()))
+
+    def prefill(self, seq: SequenceState, tokens: Sequence[int], chunk: int | None = None) -> np.ndarray:
+        """Prefill `tokens` (appended after the sequence's cache) in chunks of at most
+        `chunk` (default: the serve's prefill chunk). Returns the last position's logits [V] f32."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise EngineError("prefill of zero tokens")
+        self._check_tokens(tokens)
+        chunk = min(chunk or self.counts.prefill_chunk, self.counts.prefill_chunk)
+        self._reserve([seq], [seq.seq_len + len(tokens) + 1])
+        logits = None
+        for off in range(0, len(tokens), chunk):
+            part = tokens[off : off + chunk]
+            tb = self._prefill_bucket(len(part))
+            padded = np.zeros((1, tb), np.int32)
+            padded[0, : len(part)] = part
+            bt, dt = self._tables([seq])
+            logits, self.pool = self.programs.run(
+                "prefill_chunk", tr.prefill_chunk, self._static(drafter=self.drafter),
+                self.pool, self.params, _i32(padded), _i32([seq.seq_len]), _i32([len(part)]), _i32([seq.slot]), bt, dt,
+            )
+            seq.seq_len += len(part)
+            seq.tokens += part
+        seq.drafter_len = seq.seq_len - 1
+        return np.asarray(logits[0])
+
+    def _check_tokens(self, tokens):
+        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"token(s) {bad[:5]} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+
+    def _rows(self, seqs, tokens_per_seq: Sequence[Sequence[int]], verify: bool):
+        """Run `step_rows` for seqs with ragged rows; returns (logits [R, V], argmax [R]) numpy."""
+        n = len(seqs)
+        if n == 0:
+            raise EngineError("a step over zero sequences")
+        width = bucket_width(n)
+        t = self.counts.k if verify else 1
+        toks = np.zeros((width, t), np.int32)
+        lens = np.zeros(width, np.int32)
+        seq_lens = np.zeros(width, np.int32)
+        slots = np.full(width, self.counts.slots - 1, np.int32)
+        vrow = np.full(width, self.counts.h_step_offsets[-2] if verify else 0, np.int32)
+        vslot = np.full(width, self.counts.verify_slots - 1 if verify else 0, np.int32)
+        row_index = np.zeros(width * t, np.int32)
+        r = 0
+        for i, (s, rows) in enumerate(zip(seqs, tokens_per_seq)):
+            toks[i, : len(rows)] = rows
+            lens[i] = len(rows)
+            seq_lens[i] = s.seq_len
+            slots[i] = s.slot
+            if verify:
+                vrow[i] = self.counts.h_step_offsets[self.counts.verify_slot(s.slot)]
+                vslot[i] = self.counts.verify_slot(s.slot)
+            row_index[r : r + len(rows)] = i * t + np.arange(len(rows))
+            r += len(rows)
+        bt, dt = self._tables(list(seqs) + [None] * (width - n))
+        logits, argmax, hidden, self.pool = self.programs.run(
+            "step_rows", tr.step_rows, self._static(verify=verify, drafter=self.drafter),
+            self.pool, self.params, _i32(toks), _i32(lens), _i32(seq_lens), _i32(slots), bt, dt,
+            _i32(vrow), _i32(vslot), _i32(row_index),
+        )
+        if verify:
+            self._verify_hidden = hidden
+        for s, rows in zip(seqs, tokens_per_seq):
+            s.seq_len += len(rows)
+            s.tokens += [int(x) for x in rows]
+        return np.asarray(logits[:r]), np.asarray(argmax[:r])
+
+    def decode_batch(self, seqs: Sequence[SequenceState], tokens: Sequence[int]) -> np.ndarray:
+        """One token per sequence. Returns logits [n, V] f32."""
+        if len(tokens) != len(seqs):
+            raise EngineError(f"{len(tokens)} tokens for {len(seqs)} sequences")
+        self._check_tokens(tokens)
+        self._reserve(seqs, [s.seq_len + 1 for s in seqs])
+        logits, _ = self._rows(seqs, [[int(t)] for t in tokens], verify=False)
+        for s in seqs:
+            s.drafter_len = s.seq_len - 1
+        return logits
+
+    def decode(self, seq: SequenceState, token: int) -> np.ndarray:
+        return self.decode_batch([seq], [token])[0]
+
+    # ------------------------------------------------------------ speculative verify
+
+    def can_batch_verify(self, seqs: Sequence[SequenceState], ks: Sequence[int]) -> str | None:
+        """Why a batched verify of `ks` over `seqs` is refused, or None."""
+        if not self.counts.speculative:
+            return "verify needs a speculative serve (--speculative)"
+        if len(ks) != len(seqs):
+            return f"{len(ks)} widths for {len(seqs)} sequences"
+        for s, k in zip(seqs, ks):
+            cap = self.counts.slot_draft_capacity(s.slot)
+            if not 1 <= k <= cap + 1:
+                return f"sequence {s.seq_id} (slot {s.slot}) cannot verify K={k}: its slot holds {cap} draft row(s)"
+        return None
+
+    def verify_batched(self, seqs: Sequence[SequenceState], tokens: Sequence[int], ks: Sequence[int]):
+        """Batched verify with write-on-accept. tokens: flat seq-major rows, sequence i's rows
+        [last_i, d_1 .. d_{K_i-1}]. On success each sequence gains K_i tokens. Returns
+        (logits [R, V] f32, argmax [R] int32) with R = sum(ks)."""
+        reason = self.can_batch_verify(seqs, ks)
+        if reason:
+            raise EngineError(reason)
+        if len(tokens) != sum(ks):
+            raise EngineError(f"{len(tokens)} tokens for ks summing to {sum(ks)}")
+        self._check_tokens(tokens)
+        self._reserve(seqs, [s.seq_len + k + 1 for s, k in zip(seqs, ks)])
+        off = np.concatenate([[0], np.cumsum(ks)])
+        rows = [list(tokens[off[i] : off[i + 1]]) for i in range(len(seqs))]
+        return self._rows(seqs, rows, verify=True)
+
+    def _padded(self, seqs, *cols, pad_values):
+        width = bucket_width(len(seqs))
+        out = []
+        for col, pad in zip(cols, pad_values):
+            a = np.full(width, pad, np.int32)
+            a[: len(col)] = col
+            out.append(_i32(a))
+        return out
+
+    def gdn_fold_accepted(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> None:
+        """Fold every sequence's verdict into its live GDN state: rows = accepted drafts + 1."""
+        self._check_rows(seqs, rows, ks)
+        dummy = self.counts.slots - 1
+        vrows = [self.counts.h_step_offsets[self.counts.verify_slot(s.slot)] for s in seqs]
+        slots, r, k, vb = self._padded(seqs, [s.slot for s in seqs], rows, ks, vrows, pad_values=(dummy, 1, 1, 0))
+        self.pool = self.programs.run("gdn_fold", tr.gdn_fold_accepted, {}, self.pool, slots, r, k, vb)
+
+    def commit_accepted_prefixes(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> None:
+        """Roll each sequence's conv window back to its last accepted row (rows < K)."""
+        self._check_rows(seqs, rows, ks)
+        dummy = self.counts.slots - 1
+        vslots = [self.counts.verify_slot(s.slot) for s in seqs]
+        slots, vs, r, k = self._padded(seqs, [s.slot for s in seqs], vslots, rows, ks,
+                                       pad_values=(dummy, self.counts.verify_slots - 1, 1, 1))
+        self.pool = self.programs.run("commit_conv", tr.commit_conv, {}, self.pool, slots, vs, r, k)
+
+    def commit_accepted_prefix(self, seq: SequenceState, rows: int, k: int) -> None:
+        """The original's per-sequence commit (rows == K is a no-op)."""
+        self.commit_accepted_prefixes([seq], [rows], [k])
+
+    @staticmethod
+    def _check_rows(seqs, rows, ks):
+        if not len(seqs) == len(rows) == len(ks):
+            raise EngineError("seqs, rows and ks differ in length")
+        for s, r, k in zip(seqs, rows, ks):
+            if not 1 <= r <= k:
+                raise EngineError(f"sequence {s.seq_id}: {r} committed rows of a K={k} verify (must be 1..K)")
+
+    @staticmethod
+    def rewind(seq: SequenceState, rejected: int) -> None:
+        """Host-side rewind of `rejected` trailing verify rows (their KV is left in place and
+        overwritten before it is ever read)."""
+        if not 0 <= rejected <= seq.seq_len:
+            raise EngineError(f"cannot rewind {rejected} rows of sequence {seq.seq_id}")
+        seq.seq_len -= rejected
+        del seq.tokens[len(seq.tokens) - rejected :]
+
+    def stash_verify_hidden_rows(self, seqs: Sequence[SequenceState], rows: Sequence[int]) -> None:
+        """Stash the pre-norm hidden of flat verify row rows[i] for seqs[i] (its accepted row)."""
+        if self._verify_hidden is None:
+            raise EngineError("no verify to stash hidden rows from")
+        if not self.drafter:
+            raise EngineError("no MTP drafter to stash hidden rows for")
+        dummy = self.counts.slots - 1
+        slots, r = self._padded(seqs, [s.slot for s in seqs], rows, pad_values=(dummy, 0))
+        self.pool = self.programs.run("stash_rows", tr.stash_hidden_rows, {}, self.pool, self._verify_hidden, r, slots)
+
+    # ------------------------------------------------------------ MTP drafter
+
+    def propose_batched(self, seqs: Sequence[SequenceState], last: Sequence[int], num_drafts: int):
+        """Batched MTP propose. Returns (drafts [n, nd] int32, confidences [n, nd] f32, logits of
+        the last draft position [n, V] f32), numpy."""
+        if not self.drafter:
+            raise EngineError("no MTP drafter (needs --speculative and a checkpoint with MTP layers)")
+        if not 1 <= num_drafts <= self.settings.num_drafts:
+            raise EngineError(f"num_drafts {num_drafts} outside 1..{self.settings.num_drafts}")
+        self._reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
+        n = len(seqs)
+        dummy = self.counts.slots - 1
+        last_a, seq_lens, slots = self._padded(seqs, list(last), [s.seq_len for s in seqs], [s.slot for s in seqs],
+                                               pad_values=(0, 1, dummy))
+        valid = jnp.arange(bucket_width(n)) < n
+        _, dt = self._tables(list(seqs) + [None] * (bucket_width(n) - n))
+        drafts, conf, logits, self.pool = self.programs.run(
+            "propose", tr.propose, self._static(num_drafts=num_drafts),
+            self.pool, self.params, last_a, seq_lens, slots, dt, valid,
+        )
+        for s in seqs:
+            s.last_num_drafted = num_drafts
+            s.drafter_len = s.seq_len + num_drafts - 1
+        return np.asarray(drafts[:n]), np.asarray(conf[:n]), np.asarray(logits[:n])
+
+    def trim_proposer(self, seq: SequenceState, keep: int = 0) -> None:
+        """Forget the drafter rows a propose chained past the committed context, keeping `keep`.
+        Host-only: the drafter KV past the context is overwritten before it is read."""
+        seq.drafter_len = min(seq.drafter_len, seq.seq_len + keep)
+        seq.last_num_drafted = 0
+
+    # ------------------------------------------------------------ swap
+
+    def save_sequence_state(self, seq: SequenceState) -> dict:
+        """Swap-out record: numpy copies of everything the sequence owns on device, plus host facts."""
+        bt, dt = self._tables([seq])
+        rec = self.programs.run("read_state", lambda pool, *a: (tr.read_sequence_state(pool, *a), pool), {},
+                                self.pool, _i32(seq.slot), bt[0], dt[0])
+        rec, self.pool = rec
+        return {
+            "device": jax.tree_util.tree_map(np.asarray, rec),
+            "seq_len": seq.seq_len,
+            "tokens": list(seq.tokens),
+            "blocks": len(seq.blocks),
+            "draft_blocks": len(seq.draft_blocks),
+            "drafter_len": seq.drafter_len,
+        }
+
+    def restore_sequence_state(self, seq: SequenceState, record: dict) -> None:
+        """Swap-in `record` into a freshly allocated sequence (its own slot and new blocks)."""
+        if seq.seq_len or seq.blocks:
+            raise EngineError("restore needs a freshly allocated sequence")
+        self._reserve([seq], [record["blocks"] * self.counts.block_size])
+        extra = record["draft_blocks"] - len(seq.draft_blocks)
+        if extra > 0:
+            seq.draft_blocks += self.draft_blocks.alloc_many(extra)
+        bt, dt = self._tables([seq])
+        dev = jax.tree_util.tree_map(jnp.asarray, record["device"])
+        self.pool = self.programs.run("write_state", tr.write_sequence_state, {}, self.pool, dev, _i32(seq.slot), bt[0], dt[0])
+        seq.seq_len, seq.tokens, seq.drafter_len = record["seq_len"], list(record["tokens"]), record["drafter_len"]

@@ -1,0 +1,7 @@
+"""The memory planner's user errors: one clear line each, exit code 2 at the command line."""
+from __future__ import annotations
+
+
+class PlanError(ValueError):
+    """A planning request that cannot be answered (unknown device or checkpoint, bad --slots,
+    a workload the serve cannot run)."""

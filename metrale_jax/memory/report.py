@@ -1,0 +1,166 @@
+"""The memory plan as the operator reads it: a text report and a versioned JSON document.
+
+Owns: `Report` (everything one `metrale-jax memory` run found) and its two renderings.
+
+Invariants:
+- Both renderings show the same facts; the JSON carries exact bytes, the text MiB with one
+  decimal (2^20) and GiB with two (2^30).
+- `JSON_SCHEMA` changes whenever a JSON key is renamed, removed or changes meaning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from metrale_jax.engine.settings import Provenance
+from metrale_jax.memory.advice import Answer
+from metrale_jax.memory.devices import GIB, MIB, Device
+from metrale_jax.memory.plan import Evaluation
+
+JSON_SCHEMA = "metrale-jax.memory/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """One plan: what was asked (checkpoint, recipe, flags, device, workload), the settings
+    table, the evaluation at the workload, the two inverse answers and the warnings."""
+
+    checkpoint: str
+    config_from: str
+    weights_from: str
+    behavior_from: str
+    outside_bytes: int
+    recipe: str | None
+    serve_flags: tuple[str, ...]
+    device: Device
+    settings_table: tuple[Provenance, ...]
+    evaluation: Evaluation
+    max_concurrency: Answer
+    max_isl: Answer
+    warnings: tuple[str, ...]
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
+    """Rows as aligned text columns (`right`: indices of right-aligned columns)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).rjust(wd) if i in right else str(c).ljust(wd)
+                         for i, (c, wd) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(headers), line(["-" * wd for wd in widths]), *(line(r) for r in rows)]
+
+
+def _answer_text(value: int | None) -> str:
+    return "none fits" if value is None else str(value)
+
+
+def _total_rows(r: Report) -> list[tuple[str, str]]:
+    ev = r.evaluation
+    rows = [("weights", _mib(ev.weight_bytes))]
+    if r.outside_bytes:
+        rows.append(("  checkpoint tensors never loaded (not charged)", _mib(r.outside_bytes)))
+    rows += [(f"pools: {g}", _mib(b)) for g, b in ev.groups().items()]
+    rows += [("runtime reserve", _mib(ev.runtime)), ("device total", _mib(ev.device_total)),
+             ("budget", _mib(ev.budget))]
+    return rows
+
+
+def render_text(r: Report) -> str:
+    """The human-readable report."""
+    ev = r.evaluation
+    s, c, w = ev.settings, ev.counts, ev.workload
+    util = s.gpu_memory_utilization
+    spec = (f"speculation on, K = {c.k}; MTP verify slots {c.verify_slots} (dummy included)"
+            if c.speculative else "speculation off")
+    out = [
+        "# metrale-jax memory plan",
+        f"checkpoint: {r.checkpoint} (config {r.config_from}; weights {r.weights_from})",
+        f"recipe: {r.recipe or 'none (engine defaults)'}",
+        f"serve flags: {' '.join(r.serve_flags) or 'none'}",
+        f"device: {r.device.id} ({r.device.name}): {r.device.memory_bytes / GIB:.2f} GiB x util "
+        f"{util} = budget {ev.budget / GIB:.2f} GiB"
+        + (" (unified memory)" if r.device.unified else ""),
+        f"workload: ISL {w.isl} + OSL {w.osl} tokens, concurrency {w.concurrency}",
+        f"slots: {c.real_slots} (+1 dummy); {spec}; KV {c.kv_blocks} blocks of {c.block_size}"
+        " tokens"
+        f" ({c.kv_tokens} tokens per slot, +1 null block)",
+        f"MODEL.toml: {r.behavior_from}",
+        "",
+        "## Settings (requested -> effective)",
+        *_table(("setting", "requested", "effective", "rule"),
+                [(p.setting, p.requested or "-", p.effective, p.rule) for p in r.settings_table]),
+        "",
+        "## Weights (MiB)",
+        *_table(("group", "tensors", "dtype", "MiB"),
+                [(t.name, str(t.count), t.dtype, _mib(t.bytes)) for t in ev.weights],
+                right=(1, 3)),
+        "",
+        "## Pools at this workload (MiB)",
+        *_table(("pool", "group", "shape", "dtype", "MiB"),
+                [(t.name, t.group, "x".join(map(str, t.shape)) or "-", t.dtype, _mib(t.bytes))
+                 for t in ev.pools], right=(4,)),
+        "",
+        "## Totals (MiB)",
+        *_table(("term", "MiB"), _total_rows(r), right=(1,)),
+        "",
+        f"Headroom: {_mib(ev.headroom)} MiB ({'fits' if ev.fits else 'over budget'}).",
+    ]
+    groups = ev.groups()
+    if groups:
+        group, size = next(iter(groups.items()))
+        out.append(f"Largest pool: {group}, {_mib(size)} MiB.")
+    out += [
+        f"Max concurrency at ISL={w.isl} OSL={w.osl}: {_answer_text(r.max_concurrency.value)}"
+        f" ({r.max_concurrency.note}).",
+        f"Max ISL at C={w.concurrency} OSL={w.osl}: {_answer_text(r.max_isl.value)}"
+        f" ({r.max_isl.note}).",
+    ]
+    if r.warnings:
+        out += ["", "## Warnings", *(f"- {x}" for x in r.warnings)]
+    return "\n".join(out) + "\n"
+
+
+def render_json(r: Report) -> str:
+    """The report as JSON (schema `JSON_SCHEMA`; all sizes in bytes)."""
+    ev = r.evaluation
+    w = ev.workload
+    groups = ev.groups()
+    doc: dict[str, Any] = {
+        "schema": JSON_SCHEMA,
+        "checkpoint": {"id": r.checkpoint, "config": r.config_from, "weights": r.weights_from,
+                       "model_toml": r.behavior_from, "outside_bytes": r.outside_bytes},
+        "recipe": r.recipe,
+        "serve_flags": list(r.serve_flags),
+        "device": {"id": r.device.id, "name": r.device.name,
+                   "memory_bytes": r.device.memory_bytes, "unified": r.device.unified,
+                   "gpu_memory_utilization": ev.settings.gpu_memory_utilization,
+                   "budget_bytes": ev.budget},
+        "workload": {"isl": w.isl, "osl": w.osl, "concurrency": w.concurrency},
+        "settings": [dataclasses.asdict(p) for p in r.settings_table],
+        "counts": dataclasses.asdict(ev.counts),
+        "weights": [{"group": t.name, "tensors": t.count, "dtype": t.dtype, "bytes": t.bytes}
+                    for t in ev.weights],
+        "pools": [{"pool": t.name, "group": t.group, "shape": list(t.shape), "dtype": t.dtype,
+                   "bytes": t.bytes} for t in ev.pools],
+        "totals": {"weights": ev.weight_bytes, "pools": groups, "runtime_reserve": ev.runtime,
+                   "device_total": ev.device_total, "budget": ev.budget,
+                   "headroom": ev.headroom, "fits": ev.fits},
+        "largest_pool": ({"group": next(iter(groups)), "bytes": next(iter(groups.values()))}
+                         if groups else None),
+        "inverse": {
+            "max_concurrency": {"isl": w.isl, "osl": w.osl,
+                                "concurrency": r.max_concurrency.value,
+                                "note": r.max_concurrency.note},
+            "max_isl": {"concurrency": w.concurrency, "osl": w.osl, "isl": r.max_isl.value,
+                        "note": r.max_isl.note},
+        },
+        "warnings": list(r.warnings),
+    }
+    return json.dumps(doc, indent=2) + "\n"

@@ -1,0 +1,106 @@
+"""What `--checkpoint` names, for planning: a preset, a directory, or a model id with a local config.
+
+Owns: turning the `--checkpoint` text into the model's id (what a recipe's `model` must equal),
+its `ModelConfig`, its MODEL.toml `[behavior]`, the dtype it is served in, and, when its weights
+are on disk, the checkpoint's tensor index. Nothing is downloaded and no tensor is read.
+
+Invariants:
+- Resolution order: preset (`tiny` or `metrale-jax/tiny`), then an existing directory with a
+  config.json, then `<recipes>/models/<id>/config.json`; anything else is refused.
+- MODEL.toml is `<model dir>/MODEL.toml` (presets: `<recipes>/models/metrale-jax/<name>/`);
+  an absent file means engine defaults.
+- With safetensors present, the config is completed from the headers exactly as the loader
+  completes it (`metrale_jax.checkpoint.plan_load`), so planner and loader see one model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from metrale_jax.checkpoint import Binding, TensorRef, index_checkpoint, plan_load
+from metrale_jax.config import ModelConfig, load_model_config
+from metrale_jax.engine.settings import Behavior
+from metrale_jax.memory.errors import PlanError
+from metrale_jax.presets import PRESETS
+
+#: The id prefix of the embedded presets (`metrale-jax/tiny`).
+PRESET_ORG = "metrale-jax"
+#: Dtypes the served weights may have, by config.json name.
+SERVED_DTYPES = ("bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A resolved `--checkpoint`: `id`, `config`, where the config came from, MODEL.toml
+    `behavior`, the default served `dtype` name, and the local tensor index with its load
+    bindings (both empty when no weights are on disk)."""
+
+    id: str
+    config: ModelConfig
+    config_from: str
+    behavior: Behavior
+    dtype: str
+    tensors: dict[str, TensorRef] = dataclasses.field(default_factory=dict)
+    bindings: tuple[Binding, ...] = ()
+
+
+def _declared_dtype(config_json: Path) -> str:
+    """The dtype config.json declares (top level or text_config); bfloat16 when it names none
+    this engine serves."""
+    raw = json.loads(config_json.read_text(encoding="utf-8"))
+    for table in (raw, raw.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if table.get(key) in SERVED_DTYPES:
+                return table[key]
+    return "bfloat16"
+
+
+def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
+    """Resolve `--checkpoint arg` against the presets and `<recipes_dir>/models`.
+
+    Raises PlanError (unknown checkpoint), `ConfigError`, `BehaviorError` or `CheckpointError`,
+    each with one clear line.
+    """
+    models_dir = recipes_dir / "models"
+    name = arg.removeprefix(f"{PRESET_ORG}/")
+    if name in PRESETS:
+        model_id = f"{PRESET_ORG}/{name}"
+        return ModelSource(
+            id=model_id,
+            config=PRESETS[name][0],
+            config_from=f"preset {name}",
+            behavior=Behavior.load(models_dir / model_id / "MODEL.toml"),
+            dtype="float32",
+        )
+    path = Path(arg)
+    if (path / "config.json").is_file():
+        directory = path
+        try:
+            model_id = path.resolve().relative_to(models_dir.resolve()).as_posix()
+        except ValueError:
+            model_id = arg
+    elif (models_dir / arg / "config.json").is_file():
+        directory, model_id = models_dir / arg, arg
+    else:
+        known = ", ".join(sorted(f"{PRESET_ORG}/{p}" for p in PRESETS) + sorted(
+            p.parent.relative_to(models_dir).as_posix() for p in models_dir.glob("*/*/config.json")
+        ))
+        raise PlanError(f"unknown checkpoint {arg!r}: not a preset, a directory with a "
+                         f"config.json, or a model id under {models_dir} (known: {known})")
+    config = load_model_config(directory)
+    tensors: dict[str, TensorRef] = {}
+    binds: tuple[Binding, ...] = ()
+    if any(directory.glob("*.safetensors")):
+        tensors = index_checkpoint(str(directory))
+        config, bound = plan_load(config, tensors)
+        binds = tuple(bound)
+    return ModelSource(
+        id=model_id,
+        config=config,
+        config_from=str(directory / "config.json"),
+        behavior=Behavior.load(directory / "MODEL.toml"),
+        dtype=_declared_dtype(directory / "config.json"),
+        tensors=tensors,
+        bindings=binds,
+    )

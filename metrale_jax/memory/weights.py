@@ -1,0 +1,74 @@
+"""Weight bytes for the memory planner, from the checkpoint's headers or the parameter tree's shapes.
+
+Owns: grouping the served parameters into report rows (embedding, head, per mixer kind, MLP,
+norms, MTP head) and finding the checkpoint bytes the engine never loads ("outside").
+
+Invariants:
+- With weights on disk, a parameter's bytes are its tensors' byte ranges in the safetensors
+  headers, via the loader's own bindings (the loader keeps the stored dtype).
+- Without, they are the shapes and dtypes of `init_params` traced by `jax.eval_shape`.
+- No tensor data is read and no parameter is materialised.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from metrale_jax.memory.plan import Term
+from metrale_jax.memory.source import ModelSource
+from metrale_jax.params import init_params
+
+WEIGHTS = "weights"
+_MIXERS = {"gdn": "layers: gated deltanet", "attn": "layers: attention", "mlp": "layers: mlp"}
+
+
+def weight_group(path: tuple[Any, ...]) -> str:
+    """The report row of the parameter at `path` in the `metrale_jax.params` tree."""
+    head = path[0]
+    if head == "layers":
+        return _MIXERS.get(path[2], "norms")
+    if head == "mtp":
+        return "mtp head"
+    return head if head in ("embed", "lm_head") else "norms"
+
+
+def _fold(items: Iterable[tuple[str, int, str]]) -> tuple[Term, ...]:
+    """(group, bytes, dtype) items folded into one term per group, in first-seen order."""
+    rows: dict[str, list[Any]] = {}
+    for group, size, dtype in items:
+        row = rows.setdefault(group, [0, set(), 0])
+        row[0] += size
+        row[1].add(dtype)
+        row[2] += 1
+    return tuple(Term(g, WEIGHTS, size, "+".join(sorted(dts)), (), n)
+                 for g, (size, dts, n) in rows.items())
+
+
+def weight_terms(source: ModelSource, dtype: Any) -> tuple[Term, ...]:
+    """The served weights of `source`, one term per group.
+
+    From the headers when `source` has tensors on disk (their stored dtype), else from
+    `init_params(config, 0, dtype)` under `jax.eval_shape`.
+    """
+    if source.bindings:
+        return _fold(
+            (weight_group(b.path), source.tensors[n].end - source.tensors[n].start,
+             source.tensors[n].dtype)
+            for b in source.bindings for n in b.names
+        )
+    tree = jax.eval_shape(lambda: init_params(source.config, 0, dtype))
+    return _fold(
+        (weight_group(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)),
+         int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize,
+         str(np.dtype(leaf.dtype)))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    )
+
+
+def outside_bytes(source: ModelSource) -> int:
+    """Bytes of on-disk tensors no binding loads (e.g. a vision tower); 0 without weights."""
+    bound = {n for b in source.bindings for n in b.names}
+    return sum(r.end - r.start for name, r in source.tensors.items() if name not in bound)

@@ -1,0 +1,68 @@
+"""Embedded models usable wherever a checkpoint directory is (`--checkpoint tiny`).
+
+Owns: the preset configs and `resolve_checkpoint`, the one function every command uses to turn a
+`--checkpoint` value (preset name or directory) into (config, params).
+Invariant: a preset's weights are a pure function of its name and dtype (seeded), so every
+process and machine gets the same bytes; no file is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from metrale_jax.checkpoint import CheckpointError, load_checkpoint
+from metrale_jax.config import FULL, LINEAR, ModelConfig
+from metrale_jax.params import init_params
+
+# A small Qwen3-Next-shaped model: both mixer kinds, MoE layers and one dense layer
+# (mlp_only_layers), GQA 2:1, linear value heads != key heads, dk != dv, one MTP layer.
+TINY = ModelConfig(
+    model_type="qwen3_next",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    layer_types=(LINEAR, FULL, LINEAR, FULL),
+    rope_theta=10000.0,
+    partial_rotary_factor=0.5,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=32,
+    mlp_only_layers=(1,),
+    num_mtp_layers=1,
+)
+
+PRESETS = {"tiny": (TINY, 0)}
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def parse_dtype(name: str):
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown dtype {name!r} (choose from {', '.join(_DTYPES)})") from None
+
+
+def resolve_checkpoint(name_or_dir: str, dtype: str | None = "float32"):
+    """(config, params) for a preset name or a checkpoint directory, cast to `dtype` (None keeps a
+    checkpoint's stored dtype; presets default to float32). Raises CheckpointError."""
+    if name_or_dir in PRESETS:
+        cfg, seed = PRESETS[name_or_dir]
+        return cfg, init_params(cfg, seed, parse_dtype(dtype or "float32"))
+    if not os.path.isdir(name_or_dir):
+        raise CheckpointError(
+            f"--checkpoint {name_or_dir!r} is neither a preset ({', '.join(PRESETS)}) nor a directory"
+        )
+    return load_checkpoint(name_or_dir, None if dtype is None else parse_dtype(dtype))
