@@ -34,7 +34,8 @@ def user_errors(fn):
         try:
             return fn(*a, **kw)
         except USER_ERRORS as e:
-            click.echo(f"error: {e}", err=True)
+            for line in getattr(e, "messages", None) or [str(e)]:
+                click.echo(f"error: {line}", err=True)
             sys.exit(2)
 
     return wrapper

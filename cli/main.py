@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from metrale_jax_cli.logits_cmd import logits
+from metrale_jax_cli.memory_cmd import memory
 
 
 @click.group()
@@ -14,3 +15,4 @@ def cli():
 
 
 cli.add_command(logits)
+cli.add_command(memory)

@@ -1,9 +1,10 @@
 """Pieces every Pallas kernel of this package shares: the interpret switch, the backend names the
-`*_supported` checks speak, the Triton shape rules, and the one reduction whose form differs
-between the CPU interpreter and Triton.
+`*_supported` checks speak, the Triton shape rules, the one reduction whose form differs between
+the CPU interpreter and Triton, and the "bounded" contract's allowance.
 
 Owns: what "interpret" means here (the Pallas interpreter; the default whenever the default
-backend is not a GPU) and which GPU shape rules a kernel must satisfy before it is lowered.
+backend is not a GPU), which GPU shape rules a kernel must satisfy before it is lowered, and
+`contract_bound`.
 
 Invariants:
 - A kernel body is the same code on both backends, except for `matvec`'s form, which `matvec_form`
@@ -26,6 +27,14 @@ MatvecForm = Literal["dot", "reduce"]
 def default_interpret() -> bool:
     """True unless JAX's default backend is a GPU (compiled Pallas exists only there)."""
     return jax.default_backend() != "gpu"
+
+
+IMPLEMENTATIONS = ("pallas", "reference")
+
+
+def check_implementation(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
 
 
 def backend_of(interpret: bool) -> str:
@@ -54,12 +63,35 @@ def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def triton_dims_reason(**dims: int) -> str | None:
-    """Why Triton cannot take these tile/dot dimensions (each must be a power of two >= 16), or None."""
-    bad = [f"{name}={n}" for name, n in dims.items() if not (is_pow2(n) and n >= 16)]
+def triton_dims_reason(*, minimum: int, **dims: int) -> str | None:
+    """Why Triton cannot take these array dimensions, or None. Every array a Triton kernel loads,
+    stores or builds must have power-of-two dimensions, and a dot's dimensions must be >= 16."""
+    bad = [f"{name}={n}" for name, n in dims.items() if not (is_pow2(n) and n >= minimum)]
     if bad:
-        return f"Triton needs power-of-two tile and dot dimensions >= 16; got {', '.join(bad)}"
+        return f"Triton needs power-of-two dimensions >= {minimum} here; got {', '.join(bad)}"
     return None
+
+
+def int32_offsets_reason(**sizes: int) -> str | None:
+    """Triton computes element offsets in int32: every array it addresses must have < 2**31 elements."""
+    bad = [f"{name} has {n} elements" for name, n in sizes.items() if n >= 2**31]
+    if bad:
+        return f"Triton offsets are int32: {', '.join(bad)} (>= 2**31)"
+    return None
+
+
+BOUND_FACTOR = 2.0
+
+
+def contract_bound(reference_err: float, dtype) -> float:
+    """The "bounded" contract's allowance for a kernel's error against the float64 oracle: twice
+    the reference's own error against it, plus one unit roundoff of the output dtype. Errors are
+    `kernels_pallas.testing.rel_err` (max abs error over max abs oracle value)."""
+    return BOUND_FACTOR * reference_err + float(jnp.finfo(dtype).eps) / 2
+
+
+class KernelRefused(ValueError):
+    """A Pallas kernel was asked for on shapes or a backend its `*_supported` check refuses."""
 
 
 def backend_reason(backend: str) -> str | None:

@@ -51,11 +51,12 @@ def _rows_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, s_ref, *, row
         s_ref[t] = s
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool):
+def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool, matvec_as: MatvecForm | None = None):
     """Per-row recurrence (decode / verify), every row's state out.
 
     q, k [B, T, Hk, dk] f32; v [B, T, H, dv] f32; g, beta [B, T, H] f32; h0 [B, H, dk, dv] f32.
     Returns (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32) as the reference does.
+    matvec_as: None = `matvec_form(interpret)`; tests set "reduce" to run the Triton body on CPU.
     """
     b, t, hk, dk = q.shape
     heads, dv = v.shape[2:]
@@ -65,7 +66,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret:
     v_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
     gate_spec = pl.BlockSpec((None, t, None), lambda i, h, j: (i, 0, h))
     return pl.pallas_call(
-        functools.partial(_rows_kernel, rows=t, form=matvec_form(interpret)),
+        functools.partial(_rows_kernel, rows=t, form=matvec_as or matvec_form(interpret)),
         grid=grid,
         in_specs=[
             qk_spec,
@@ -117,6 +118,7 @@ def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, hT_ref, *, c
     rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     tri_incl, tri_strict = rows >= cols, rows > cols
+    last = lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1
     nt = (((1,), (1,)), ((), ()))  # x @ y.T
     tn = (((0,), (0,)), ((), ()))  # x.T @ y
 
@@ -132,7 +134,7 @@ def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, hT_ref, *, c
         u = tm @ v_beta  # [C, bv]
         w = tm @ (k_beta * jnp.exp(gam)[:, None])  # [C, dk]
         qk = jnp.where(tri_incl, lax.dot_general(q, k, nt) * decay, 0.0)
-        g_last = jnp.sum(jnp.where(rows[:, 0] == c - 1, gam, 0.0))  # gam[-1], exactly
+        g_last = jnp.sum(jnp.where(last, gam, 0.0))  # gam[-1], exactly
         v_new = u - w @ s
         o_ref[sl] = (q * jnp.exp(gam)[:, None]) @ s + qk @ v_new
         return s * jnp.exp(g_last) + lax.dot_general(k * jnp.exp(g_last - gam)[:, None], v_new, tn)
@@ -140,10 +142,10 @@ def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, hT_ref, *, c
     hT_ref[...] = lax.fori_loop(0, chunks, step, h0_ref[...])
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool):
+def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool, matvec_as: MatvecForm | None = None):
     """Chunked (WY) prefill, final state out.
 
-    Same arguments as `recurrent_gated_delta_rule`. Returns (o [B, T, H, dv] f32,
+    Same arguments and switches as `recurrent_gated_delta_rule`. Returns (o [B, T, H, dv] f32,
     final_state [B, H, dk, dv] f32) as the reference does.
 
     NOTE: T is padded to a multiple of CHUNK with identity rows (k = v = g = beta = 0), as in the
@@ -163,7 +165,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: boo
     gate_spec = pl.BlockSpec((None, tp, None), lambda i, h, j: (i, 0, h))
     state_spec = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     o, final = pl.pallas_call(
-        functools.partial(_chunk_kernel, chunks=tp // CHUNK, form=matvec_form(interpret)),
+        functools.partial(_chunk_kernel, chunks=tp // CHUNK, form=matvec_as or matvec_form(interpret)),
         grid=(b, heads, dv // block_v),
         in_specs=[qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
         out_specs=[v_spec, state_spec],

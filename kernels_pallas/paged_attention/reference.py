@@ -11,6 +11,8 @@ Invariants:
   its attention output is zero.
 - A query at position p attends to cache positions 0..p of its own sequence, nothing else: KV
   that a rejected draft left beyond the sequence's length is never read until overwritten.
+- Cache entries past a sequence's last queried position are never read, not even multiplied by a
+  zero probability (they may hold anything, NaN included: stale rows, the null block).
 - Scores and softmax in float32 (HF's eager path); the probabilities are cast to the value dtype
   before the PV product, as HF does.
 """
@@ -46,10 +48,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
     mb = block_tables.shape[1]
     keys = k_cache[block_tables].reshape(b, mb * bs, kvh, d).astype(q.dtype)  # [B, S, KV, D]
     vals = v_cache[block_tables].reshape(b, mb * bs, kvh, d).astype(q.dtype)
+    span = jnp.arange(mb * bs)
+    live = span[None, :] <= jnp.max(positions, axis=1)[:, None]  # [B, S]
+    keys = jnp.where(live[:, :, None, None], keys, 0)
+    vals = jnp.where(live[:, :, None, None], vals, 0)
     rep = h // kvh
     qg = q.reshape(b, t, kvh, rep, d)
     scores = jnp.einsum("btgrd,bsgd->btgrs", qg, keys, preferred_element_type=jnp.float32) * scale
-    span = jnp.arange(mb * bs)
     mask = span[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
     valid = positions >= 0

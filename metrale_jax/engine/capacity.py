@@ -33,7 +33,7 @@ AUTO_MAX_SLOTS = DECODE_BATCH_LADDER[-1]
 MAX_MTP_MAX_SEQS = 128
 #: The MTP state pools never cover fewer slots than this (unless the serve has fewer slots).
 MTP_STATE_SLOTS_FLOOR = 32
-#: Decode-rollback ring depth when the ring is on (`--ssm-decode-ring-slots auto`).
+#: The deepest decode-rollback ring `--ssm-decode-ring-slots` accepts.
 DECODE_ROLLBACK_RING_SLOTS = 8
 #: Tokens per block of the MTP head's own paged KV, whatever `--block-size` says.
 DRAFT_KV_BLOCK_SIZE = 16
@@ -169,7 +169,8 @@ class PoolCounts:
     Fields (all host ints):
     - `real_slots`: sequence slots the serve admits; `slots = real_slots + 1` (padding dummy).
     - `speculative`, `k = num_drafts + 1` (K is defined even when speculation is off).
-    - `mtp_slots`: slots owning MTP verify state; verify pools have `mtp_slots + 1` slots.
+    - `mtp_slots`: slots owning MTP verify state (0 without speculation); verify pools have
+      `mtp_slots + 1` slots.
     - `slot_drafts`: the ladder's draft capacity of verify slots `0..mtp_slots` (no dummy).
     - `h_steps`: h-intermediate rows per verify slot `0..=mtp_slots` (the last is the verify
       dummy, with `k - 1` rows); `slot_drafts` under snapshot rollback, zeros under replay;
@@ -183,9 +184,9 @@ class PoolCounts:
       caching is on, else 0 (without prefix caching no snapshot is ever read).
     - `ring_slots`: decode-rollback ring depth per sequence slot (ring units are
       `ring_slots × slots`).
-    - `stash_rows`: accepted-hidden stash rows. A batched propose reads stash row `i` for batch
-      row `i`, and a batch never holds more sequences than there are real slots; padding rows
-      of a bucketed batch read row 0 and are discarded, so they need no row of their own.
+    - `stash_rows`: accepted-hidden stash rows, one per sequence slot with the dummy (the stash
+      is indexed by slot: it holds the hidden of each sequence's last processed trunk row until
+      the next propose pairs it with the sampled token; padding rows use the dummy's row).
     - `block_size`, `kv_tokens` (tokens per sequence the KV pool is sized for), `kv_blocks`
       (main model), `max_blocks_per_seq` (block-table width, sized for `max_seq_len`).
     - `draft_kv_blocks`: the MTP head's paged KV in `DRAFT_KV_BLOCK_SIZE`-token blocks: with
@@ -228,11 +229,6 @@ class PoolCounts:
         """Total h-intermediate rows over all verify slots (one flat array)."""
         return self.h_step_offsets[-1]
 
-    @property
-    def ring_units(self) -> int:
-        """Decode-rollback ring entries: `ring_slots × slots`."""
-        return self.ring_slots * self.slots
-
     def verify_slot(self, slot: int) -> int:
         """The verify-pool slot sequence slot `slot` uses: itself, or the dummy past `mtp_slots`."""
         return slot if slot < self.mtp_slots else self.mtp_slots
@@ -260,7 +256,7 @@ def pool_counts(
     k = s.num_drafts + 1
     spec = s.speculative
     snapshot = s.ssm_rollback_mode == "snapshot"
-    mtp_slots = mtp_state_slots(real, s.mtp_max_seqs)
+    mtp_slots = mtp_state_slots(real, s.mtp_max_seqs) if spec else 0
     if spec:
         slot_drafts = tuple(
             verify_slot_drafts(slot, s.num_drafts, s.mtp_max_seqs, s.k_ladder)
@@ -293,7 +289,7 @@ def pool_counts(
         checkpoint_slots=mtp_slots + 1 if spec else 0,
         snapshot_slots=s.ssm_cache_slots if s.enable_prefix_caching else 0,
         ring_slots=s.ssm_decode_ring_slots if config.num_linear_layers > 0 else 0,
-        stash_rows=real if spec else 0,
+        stash_rows=real + 1 if spec and config.num_mtp_layers > 0 else 0,
         block_size=s.block_size,
         kv_tokens=tokens,
         kv_blocks=kv_blocks,

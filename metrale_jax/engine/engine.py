@@ -61,6 +61,8 @@ class Engine:
             unsupported.append("--enable-prefix-caching (prefix snapshots are not implemented by this engine)")
         if settings.ssm_rollback_mode != "snapshot" and settings.speculative:
             unsupported.append("--ssm-rollback-mode replay (this engine verifies with write-on-accept rows only)")
+        if settings.ssm_decode_ring_slots:
+            unsupported.append("--ssm-decode-ring-slots > 0 (this engine has no decode-rollback ring)")
         if settings.speculative and cfg.num_mtp_layers == 0:
             unsupported.append("--speculative with a checkpoint that has no MTP layer")
         if unsupported:

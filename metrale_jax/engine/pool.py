@@ -93,7 +93,7 @@ def allocate_pool(cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings
         ckpt_conv=zeros((nl, ck, *conv_unit), dtype) if ck else None,
         draft_k=zeros((nm, counts.draft_kv_blocks, counts.draft_block_size, *kv_unit), kvdt) if drafter else None,
         draft_v=zeros((nm, counts.draft_kv_blocks, counts.draft_block_size, *kv_unit), kvdt) if drafter else None,
-        stash=zeros((counts.slots, cfg.hidden_size), dtype) if drafter else None,
+        stash=zeros((counts.stash_rows, cfg.hidden_size), dtype) if drafter else None,
     )
 
 

@@ -217,6 +217,33 @@ def _shown(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def _tiered(flag: Any, toml: Any, toml_key: str, default: Any) -> tuple[Any, str]:
+    """flag → MODEL.toml → engine default: the flag when given (even if it equals the default),
+    else the MODEL.toml value when positive / non-empty, else `default`; with the rule."""
+    if flag is not None:
+        return flag, RULE_FLAG
+    if toml:
+        return toml, f"{RULE_MODEL_TOML} {toml_key}"
+    return default, RULE_DEFAULT
+
+
+def _choice(flag: str, value: Any, rule: str, allowed: tuple[str, ...]) -> list[str]:
+    """The violation (if any) of `value` not being one of `allowed`."""
+    if value in allowed:
+        return []
+    return [f"{flag} {value!r} ({rule}) must be one of {', '.join(allowed)}"]
+
+
+def _count_or_keyword(flag: str, text: str, keyword: str, low: int, high: int) -> int | None:
+    """`text` as an integer in `low..=high`; None for `keyword`; ValueError otherwise."""
+    text = text.strip()
+    if text == keyword:
+        return None
+    if text.isdigit() and low <= int(text) <= high:
+        return int(text)
+    raise ValueError(f"{flag} must be an integer in {low}..={high} or {keyword}, got {text!r}")
+
+
 def resolve_settings(
     raw: Mapping[str, Any], behavior: Behavior | None, *, auto_slots: int
 ) -> EngineSettings:
@@ -236,136 +263,87 @@ def resolve_settings(
     v = {f.name: raw.get(f.name, f.default) for f in _FLAGS}
     b = behavior or Behavior()
     errors: list[str] = []
-    rows: dict[str, Provenance] = {}
+    eff: dict[str, Any] = {}
+    rule: dict[str, str] = {name: RULE_FLAG if name in raw else RULE_DEFAULT for name in v}
 
-    def row(name: str, effective: Any, rule: str) -> None:
-        rows[name] = Provenance("--" + name.replace("_", "-"), _shown(raw.get(name)),
-                                _shown(effective), rule)
-
-    def plain(name: str) -> str:
-        return RULE_FLAG if name in raw else RULE_DEFAULT
-
-    # --max-batch-size N|auto
-    mbs_text = str(v["max_batch_size"]).strip()
-    if mbs_text == "auto":
-        max_batch_size = auto_slots
-        row("max_batch_size", max_batch_size, f"{RULE_AUTO} ({auto_slots} slots)")
-    elif mbs_text.isdigit() and 1 <= int(mbs_text) <= AUTO_MAX_SLOTS:
-        max_batch_size = int(mbs_text)
-        row("max_batch_size", max_batch_size, plain("max_batch_size"))
-    else:
-        max_batch_size = 0
-        errors.append(f"--max-batch-size must be an integer in 1..={AUTO_MAX_SLOTS} or auto, "
-                      f"got {mbs_text!r}")
+    try:
+        slots = _count_or_keyword("--max-batch-size", str(v["max_batch_size"]), "auto", 1,
+                                  AUTO_MAX_SLOTS)
+    except ValueError as e:
+        slots = 0
+        errors.append(str(e))
+    if slots is None:
+        slots, rule["max_batch_size"] = auto_slots, f"{RULE_AUTO} ({auto_slots} slots)"
+    eff["max_batch_size"] = slots
 
     for name, low in (("max_seq_len", 1), ("block_size", 1), ("max_prefill_tokens", 1),
                       ("ssm_cache_slots", 0)):
         if v[name] < low:
             errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {v[name]}")
-        row(name, v[name], plain(name))
-    for name in ("speculative", "enable_prefix_caching"):
-        row(name, bool(v[name]), plain(name))
+        eff[name] = v[name]
+    spec = eff["speculative"] = bool(v["speculative"])
+    eff["enable_prefix_caching"] = bool(v["enable_prefix_caching"])
 
-    # --num-drafts: flag → MODEL.toml default_num_drafts → 1
-    if v["num_drafts"] is not None:
-        num_drafts = v["num_drafts"]
-        rule = RULE_FLAG
-        if num_drafts < 1:
-            errors.append(f"--num-drafts must be >= 1, got {num_drafts}")
-        elif num_drafts > 1 and not v["speculative"]:
-            errors.append(f"--num-drafts {num_drafts} needs --speculative "
-                          "(no draft proposer is on)")
-    elif b.default_num_drafts > 0:
-        num_drafts, rule = b.default_num_drafts, f"{RULE_MODEL_TOML} default_num_drafts"
-    else:
-        num_drafts, rule = DEFAULT_NUM_DRAFTS, RULE_DEFAULT
-    row("num_drafts", num_drafts, rule)
+    nd, rule["num_drafts"] = _tiered(v["num_drafts"], b.default_num_drafts, "default_num_drafts",
+                                     DEFAULT_NUM_DRAFTS)
+    if nd < 1:
+        errors.append(f"--num-drafts must be >= 1, got {nd}")
+    elif nd > 1 and v["num_drafts"] is not None and not spec:
+        errors.append(f"--num-drafts {nd} needs --speculative (no draft proposer is on)")
+    eff["num_drafts"] = nd
 
-    # --mtp-max-seqs: flag → MODEL.toml mtp_max_seqs → 32, then 1..=128
-    if v["mtp_max_seqs"] is not None:
-        mtp_max_seqs, rule = v["mtp_max_seqs"], RULE_FLAG
-    elif b.mtp_max_seqs > 0:
-        mtp_max_seqs, rule = b.mtp_max_seqs, f"{RULE_MODEL_TOML} mtp_max_seqs"
-    else:
-        mtp_max_seqs, rule = DEFAULT_MTP_MAX_SEQS, RULE_DEFAULT
-    if not 1 <= mtp_max_seqs <= MAX_MTP_MAX_SEQS:
-        errors.append(f"--mtp-max-seqs {mtp_max_seqs} ({rule}) must be in "
+    m, rule["mtp_max_seqs"] = _tiered(v["mtp_max_seqs"], b.mtp_max_seqs, "mtp_max_seqs",
+                                      DEFAULT_MTP_MAX_SEQS)
+    if not 1 <= m <= MAX_MTP_MAX_SEQS:
+        errors.append(f"--mtp-max-seqs {m} ({rule['mtp_max_seqs']}) must be in "
                       f"1..={MAX_MTP_MAX_SEQS}")
-    row("mtp_max_seqs", mtp_max_seqs, rule)
+    eff["mtp_max_seqs"] = m
 
-    # --mtp-k-ladder
+    eff["mtp_k_ladder"] = DEFAULT_K_LADDER
     if v["mtp_k_ladder"] is not None:
         try:
-            k_ladder = parse_k_ladder(v["mtp_k_ladder"])
+            eff["mtp_k_ladder"] = parse_k_ladder(v["mtp_k_ladder"])
         except ValueError as e:
-            k_ladder = DEFAULT_K_LADDER
             errors.append(f"--mtp-k-ladder: {e}")
-        rule = RULE_FLAG
-    else:
-        k_ladder, rule = DEFAULT_K_LADDER, RULE_DEFAULT
-    row("mtp_k_ladder", format_k_ladder(k_ladder), rule)
 
-    # --kv-cache-dtype: flag → MODEL.toml default_kv_dtype → fp8
-    if v["kv_cache_dtype"] is not None:
-        kv_dtype, rule = v["kv_cache_dtype"], RULE_FLAG
-        if b.default_kv_dtype and b.default_kv_dtype != kv_dtype:
-            rule = f"{RULE_FLAG} (MODEL.toml says {b.default_kv_dtype})"
-    elif b.default_kv_dtype:
-        kv_dtype, rule = b.default_kv_dtype, f"{RULE_MODEL_TOML} default_kv_dtype"
-    else:
-        kv_dtype, rule = DEFAULT_KV_CACHE_DTYPE, RULE_DEFAULT
-    if kv_dtype not in KV_CACHE_DTYPES:
-        errors.append(f"--kv-cache-dtype {kv_dtype!r} ({rule}) must be one of "
-                      f"{', '.join(KV_CACHE_DTYPES)}")
-    row("kv_cache_dtype", kv_dtype, rule)
+    kv, rule["kv_cache_dtype"] = _tiered(v["kv_cache_dtype"], b.default_kv_dtype,
+                                         "default_kv_dtype", DEFAULT_KV_CACHE_DTYPE)
+    if v["kv_cache_dtype"] is not None and b.default_kv_dtype not in ("", kv):
+        rule["kv_cache_dtype"] = f"{RULE_FLAG} (MODEL.toml says {b.default_kv_dtype})"
+    errors += _choice("--kv-cache-dtype", kv, rule["kv_cache_dtype"], KV_CACHE_DTYPES)
+    eff["kv_cache_dtype"] = kv
 
-    ssm_h_dtype = v["ssm_h_dtype"] if v["ssm_h_dtype"] is not None else DEFAULT_SSM_H_DTYPE
-    if ssm_h_dtype not in SSM_H_DTYPES:
-        errors.append(f"--ssm-h-dtype must be one of {', '.join(SSM_H_DTYPES)}, "
-                      f"got {ssm_h_dtype!r}")
-    row("ssm_h_dtype", ssm_h_dtype, plain("ssm_h_dtype"))
+    eff["ssm_h_dtype"] = DEFAULT_SSM_H_DTYPE if v["ssm_h_dtype"] is None else v["ssm_h_dtype"]
+    errors += _choice("--ssm-h-dtype", eff["ssm_h_dtype"], rule["ssm_h_dtype"], SSM_H_DTYPES)
+    eff["ssm_rollback_mode"] = v["ssm_rollback_mode"]
+    errors += _choice("--ssm-rollback-mode", v["ssm_rollback_mode"], rule["ssm_rollback_mode"],
+                      SSM_ROLLBACK_MODES)
 
-    if v["ssm_rollback_mode"] not in SSM_ROLLBACK_MODES:
-        errors.append(f"--ssm-rollback-mode must be one of {', '.join(SSM_ROLLBACK_MODES)}, "
-                      f"got {v['ssm_rollback_mode']!r}")
-    row("ssm_rollback_mode", v["ssm_rollback_mode"], plain("ssm_rollback_mode"))
-
-    # --ssm-decode-ring-slots auto|0..=8: auto is off under speculation (verify checkpoints
-    # already roll back a step), else the full depth.
-    ring_text = str(v["ssm_decode_ring_slots"]).strip()
-    if ring_text == "auto":
-        ring = 0 if v["speculative"] else DECODE_ROLLBACK_RING_SLOTS
-        rule = f"{RULE_AUTO} ({'off under --speculative' if v['speculative'] else 'full depth'})"
-    elif ring_text.isdigit() and int(ring_text) <= DECODE_ROLLBACK_RING_SLOTS:
-        ring, rule = int(ring_text), plain("ssm_decode_ring_slots")
-    else:
-        ring, rule = 0, plain("ssm_decode_ring_slots")
-        errors.append(f"--ssm-decode-ring-slots must be auto or an integer in "
-                      f"0..={DECODE_ROLLBACK_RING_SLOTS}, got {ring_text!r}")
-    row("ssm_decode_ring_slots", ring, rule)
+    # auto: off. The original's ring backs a decode watchdog's rollback, which this engine does not
+    # have (every transition is a pure function; a failed step is simply not committed).
+    try:
+        ring = _count_or_keyword("--ssm-decode-ring-slots", str(v["ssm_decode_ring_slots"]),
+                                 "auto", 0, DECODE_ROLLBACK_RING_SLOTS)
+    except ValueError as e:
+        ring = 0
+        errors.append(str(e))
+    if ring is None:
+        ring = 0
+        rule["ssm_decode_ring_slots"] = f"{RULE_AUTO} (off: no decode watchdog to roll back for)"
+    eff["ssm_decode_ring_slots"] = ring
 
     util = v["gpu_memory_utilization"]
-    if not (isinstance(util, (int, float)) and math.isfinite(util) and 0 < util <= 1):
+    valid = isinstance(util, (int, float)) and math.isfinite(util) and 0 < util <= 1
+    if not valid:
         errors.append(f"--gpu-memory-utilization must be in (0, 1], got {util}")
-    row("gpu_memory_utilization", util, plain("gpu_memory_utilization"))
+    eff["gpu_memory_utilization"] = float(util) if valid else 0.0
 
     if errors:
         raise SettingsError(errors)
-    return EngineSettings(
-        max_batch_size=max_batch_size,
-        max_seq_len=v["max_seq_len"],
-        block_size=v["block_size"],
-        speculative=bool(v["speculative"]),
-        num_drafts=num_drafts,
-        mtp_max_seqs=mtp_max_seqs,
-        k_ladder=k_ladder,
-        kv_cache_dtype=kv_dtype,
-        ssm_h_dtype=ssm_h_dtype,
-        ssm_rollback_mode=v["ssm_rollback_mode"],
-        max_prefill_tokens=v["max_prefill_tokens"],
-        enable_prefix_caching=bool(v["enable_prefix_caching"]),
-        ssm_cache_slots=v["ssm_cache_slots"],
-        ssm_decode_ring_slots=ring,
-        gpu_memory_utilization=float(util),
-        provenance=tuple(rows[f.name] for f in _FLAGS),
+    shown = {**eff, "mtp_k_ladder": format_k_ladder(eff["mtp_k_ladder"])}
+    provenance = tuple(
+        Provenance(f.opt, _shown(raw.get(f.name)), _shown(shown[f.name]), rule[f.name])
+        for f in _FLAGS
     )
+    fields = {("k_ladder" if k == "mtp_k_ladder" else k): val for k, val in eff.items()}
+    return EngineSettings(**fields, provenance=provenance)

@@ -2,7 +2,7 @@
 
 Owns: `Planner` (settings + model + device, evaluated at any (concurrency, ISL, OSL)), the
 refusals (more sequences than slots, longer than `max_seq_len`), `largest_fitting` (bisection)
-and the two inverse answers.
+and the two inverse queries (largest concurrency, longest ISL).
 
 Invariants:
 - No byte count is computed here: pool bytes are the shapes and dtypes `allocate_pool` builds

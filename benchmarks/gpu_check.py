@@ -1,0 +1,227 @@
+"""Every Pallas kernel against its reference on a GPU, at real shapes, timed against the bandwidth
+floor; `--dry-run` runs the same shape set scaled down, under the interpreter, on any machine.
+
+Owns: the device check's case list, its pass rule and its table. Run it through
+`benchmarks/gpu_check.sh` (one call, a few minutes on an H200).
+
+Per case:
+- correctness: the kernel's and the reference's outputs are compared with the float64 numpy
+  oracle on a slice (sequence 0; for GDN its first two key heads' value heads, for attention its
+  last 32 rows); pass = no NaN anywhere and kernel error <= `common.contract_bound(reference
+  error)`. (Bit-identity is a CPU-interpreter contract; on a GPU every kernel is bounded.)
+- timing: median of `--iters` runs of the jitted kernel and of the jitted reference, after a warm-up.
+- floor: the bytes the op must move (inputs read once, outputs written once; attention reads only
+  the K/V of live keys) / the HBM bandwidth measured in the same run by a large device copy.
+  The GDN chunk kernel is compute-bound, so it sits far above its floor by nature.
+
+The table is printed last; the exit status is 1 when any case fails or errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from kernels_pallas import common, testing
+from kernels_pallas.gdn import api as gdn_api
+from kernels_pallas.paged_attention import api as attn_api
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel call. GDN: b, t, hk, h, d (= dk = dv). Attention: b, t, h, kvh, d, bs, ctx
+    (keys per sequence the table spans), dtype."""
+
+    name: str
+    kernel: str  # gdn_rows | gdn_chunk | attention
+    real: dict
+    tiny: dict
+
+
+CASES = (
+    Case("decode 35B", "gdn_rows", dict(b=64, t=1, hk=16, h=32, d=128), dict(b=2, t=1, hk=2, h=4, d=16)),
+    Case("verify 35B", "gdn_rows", dict(b=32, t=4, hk=16, h=32, d=128), dict(b=2, t=4, hk=2, h=4, d=16)),
+    Case("verify 397B", "gdn_rows", dict(b=32, t=4, hk=16, h=64, d=128), dict(b=2, t=4, hk=1, h=4, d=16)),
+    Case("prefill 35B", "gdn_chunk", dict(b=1, t=4096, hk=16, h=32, d=128), dict(b=1, t=130, hk=2, h=4, d=16)),
+    Case("prefill 397B ragged", "gdn_chunk", dict(b=2, t=1000, hk=16, h=64, d=128), dict(b=2, t=100, hk=1, h=4, d=16)),
+    Case("decode 16:2 d256", "attention", dict(b=32, t=1, h=16, kvh=2, d=256, bs=16, ctx=4096), dict(b=2, t=1, h=4, kvh=2, d=16, bs=4, ctx=64)),
+    Case("verify 16:2 d256", "attention", dict(b=32, t=4, h=16, kvh=2, d=256, bs=16, ctx=4096), dict(b=2, t=4, h=4, kvh=2, d=16, bs=4, ctx=64)),
+    Case("verify 8:1 d128", "attention", dict(b=32, t=4, h=8, kvh=1, d=128, bs=16, ctx=4096), dict(b=2, t=4, h=8, kvh=1, d=16, bs=4, ctx=64)),
+    Case("prefill chunk 16:2", "attention", dict(b=2, t=512, h=16, kvh=2, d=256, bs=16, ctx=4096), dict(b=2, t=20, h=4, kvh=2, d=16, bs=4, ctx=64)),
+)
+
+
+@dataclasses.dataclass
+class Row:
+    case: str
+    kernel: str
+    ms: float = float("nan")
+    ref_ms: float = float("nan")
+    floor_ms: float = float("nan")
+    err: float = float("nan")
+    ref_err: float = float("nan")
+    ok: bool = False
+    note: str = ""
+
+
+def abstract_args(case: Case, shape: dict) -> tuple:
+    """The kernel's arguments as ShapeDtypeStructs (what `*_supported` and export need)."""
+    sds = jax.ShapeDtypeStruct
+    if case.kernel == "attention":
+        b, t, h, kvh, d, bs, mb, nb = _attention_dims(shape)
+        pool = sds((nb, bs, kvh, d), jnp.bfloat16)
+        return sds((b, t, h, d), jnp.bfloat16), pool, pool, sds((b, mb), jnp.int32), sds((b, t), jnp.int32)
+    b, t, hk, h, d = (shape[k] for k in ("b", "t", "hk", "h", "d"))
+    f32 = jnp.float32
+    return sds((b, t, hk, d), f32), sds((b, t, hk, d), f32), sds((b, t, h, d), f32), sds((b, t, h), f32), sds((b, t, h), f32), sds((b, h, d, d), f32)
+
+
+def supported(case: Case, shape: dict, backend: str) -> str | None:
+    check = {
+        "gdn_rows": gdn_api.gdn_rows_supported,
+        "gdn_chunk": gdn_api.gdn_chunk_supported,
+        "attention": attn_api.paged_attention_supported,
+    }[case.kernel]
+    return check(*abstract_args(case, shape), backend=backend)
+
+
+def _attention_dims(shape: dict):
+    """(b, t, h, kvh, d, bs, mb, nb): the table spans ctx keys; the pool holds every table + 1."""
+    b, t, h, kvh, d, bs, ctx = (shape[k] for k in ("b", "t", "h", "kvh", "d", "bs", "ctx"))
+    return b, t, h, kvh, d, bs, ctx // bs, b * (ctx // bs) + 1
+
+
+def measure_bandwidth(nbytes: int, iters: int) -> float:
+    """HBM bytes/s of a device copy of a float32 buffer of `nbytes` (read + write)."""
+    x = jnp.zeros(nbytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    return 2 * nbytes / _median_seconds(copy, (x,), iters)
+
+
+def _median_seconds(fn, args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gdn(case: Case, shape: dict, rng, interpret: bool):
+    """(kernel fn, reference fn, args, bytes moved, check(kernel_out, ref_out) -> (err, ref_err))."""
+    b, t, hk, h, d = (shape[k] for k in ("b", "t", "hk", "h", "d"))
+    args = testing.gdn_inputs(rng, b, t, hk, h, d, d, initial_state=True)
+    if case.name.endswith("ragged"):
+        args = testing.gdn_pad_rows(args, [t, t // 3])
+    chunk = case.kernel == "gdn_chunk"
+    api_fn = gdn_api.chunk_gated_delta_rule if chunk else gdn_api.recurrent_gated_delta_rule
+    kernel = jax.jit(lambda *a: api_fn(*a, interpret=interpret))
+    ref = jax.jit(lambda *a: api_fn(*a, implementation="reference"))
+    state = b * h * d * d * 4
+    moved = 4 * (2 * b * t * hk * d + 2 * b * t * h * d + 2 * b * t * h) + state + (state if chunk else t * state)
+    # Oracle slice: sequence 0, key heads 0..1 and the value heads that read them.
+    nv = 2 * (h // hk)
+    q, k, v, g, beta, h0 = args
+    sub = (q[:1, :, :2], k[:1, :, :2], v[:1, :, :nv], g[:1, :, :nv], beta[:1, :, :nv], h0[:1, :nv])
+
+    def sliced(o, s):
+        return np.asarray(o[:1, :, :nv]), np.asarray(s[:1, :nv] if chunk else s[:1, :, :nv])
+
+    def check(out, ref_out):
+        o64, states64 = testing.gdn_oracle(*sub)
+        s64 = states64[:, -1] if chunk else states64
+        return [max(testing.rel_err(o, o64), testing.rel_err(s, s64)) for o, s in (sliced(*out), sliced(*ref_out))]
+
+    return kernel, ref, tuple(jnp.asarray(x) for x in args), moved, check
+
+
+def _attention(case: Case, shape: dict, rng, interpret: bool):
+    b, t, h, kvh, d, bs, mb, nb = _attention_dims(shape)
+    ctx = mb * bs
+    starts = [int(s) for s in rng.integers(ctx // 2, ctx - t + 1, b)]  # ragged context lengths
+    q, kc, vc, tables, positions = testing.attention_inputs(rng, ml_dtypes.bfloat16, b=b, t=t, h=h, kvh=kvh, d=d, bs=bs, nb=nb, mb=mb, starts=starts)
+    scale = d**-0.5
+    kernel = jax.jit(lambda *a: attn_api.paged_attention(*a, scale, interpret=interpret))
+    ref = jax.jit(lambda *a: attn_api.paged_attention(*a, scale, implementation="reference"))
+    live_keys = int((positions.max(axis=1) + 1).sum())
+    moved = 2 * (2 * q.size) + 2 * live_keys * kvh * d * 2 + tables.size * 4 + positions.size * 4
+    rows = slice(max(0, t - 32), t)
+
+    def check(out, ref_out):
+        o64 = testing.attention_oracle(q[:1, rows], kc, vc, tables[:1], positions[:1, rows], scale)
+        return [testing.rel_err(np.asarray(x[:1, rows]).astype(np.float32), o64) for x in (out, ref_out)]
+
+    return kernel, ref, tuple(jnp.asarray(x) for x in (q, kc, vc, tables, positions)), moved, check
+
+
+def run_case(case: Case, *, dry_run: bool, iters: int, bandwidth: float, seed: int) -> Row:
+    row = Row(case.name, case.kernel)
+    shape = case.tiny if dry_run else case.real
+    rng = np.random.default_rng(seed)
+    make = _attention if case.kernel == "attention" else _gdn
+    if reason := supported(case, shape, common.backend_of(dry_run)):
+        row.note = f"refused: {reason}"
+        return row
+    try:
+        kernel, ref, args, moved, check = make(case, shape, rng, interpret=dry_run)
+        out, ref_out = kernel(*args), ref(*args)
+        finite = all(not np.isnan(np.asarray(x, np.float32)).any() for x in jax.tree.leaves(out))
+        row.err, row.ref_err = check(out, ref_out)
+        dtype = jnp.float32 if case.kernel != "attention" else jnp.bfloat16
+        row.ok = finite and row.err <= common.contract_bound(row.ref_err, dtype)
+        row.note = "" if finite else "NaN in kernel output"
+        row.ms = 1e3 * _median_seconds(kernel, args, iters)
+        row.ref_ms = 1e3 * _median_seconds(ref, args, iters)
+        row.floor_ms = 1e3 * moved / bandwidth
+    except Exception as e:  # one broken case must not hide the others' results
+        traceback.print_exc()
+        row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    return row
+
+
+def format_table(rows: list[Row], bandwidth: float, header: str) -> str:
+    lines = [header, f"HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s (floor = bytes moved / that)"]
+    lines.append(f"{'case':<22}{'kernel':<11}{'ms':>9}{'ref ms':>9}{'floor ms':>10}{'x floor':>9}{'err':>10}{'ref err':>10}  result")
+    for r in rows:
+        result = "ok" if r.ok else "FAIL"
+        lines.append(
+            f"{r.case:<22}{r.kernel:<11}{r.ms:>9.3f}{r.ref_ms:>9.3f}{r.floor_ms:>10.3f}{r.ms / r.floor_ms:>9.1f}"
+            f"{r.err:>10.1e}{r.ref_err:>10.1e}  {result}{(' ' + r.note) if r.note else ''}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="interpreter, tiny shapes (any machine)")
+    parser.add_argument("--iters", type=int, default=None, help="timed runs per case (default 20, dry run 2)")
+    parser.add_argument("--only", default=None, help="run only cases whose name or kernel contains this")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    iters = args.iters or (2 if args.dry_run else 20)
+    backend = jax.default_backend()
+    if not args.dry_run and backend != "gpu":
+        parser.error(f"no GPU (default backend {backend!r}); use --dry-run to check the script itself")
+    cases = [c for c in CASES if args.only is None or args.only in c.name or args.only in c.kernel]
+    if not cases:
+        parser.error(f"no case matches --only {args.only!r}")
+    bandwidth = measure_bandwidth(2**20 if args.dry_run else 2**31, iters)
+    rows = [run_case(c, dry_run=args.dry_run, iters=iters, bandwidth=bandwidth, seed=args.seed + i) for i, c in enumerate(cases)]
+    device = jax.devices()[0]
+    header = f"gpu_check: jax {jax.__version__}, {device.device_kind} ({backend}){', DRY RUN (interpreter, tiny shapes)' if args.dry_run else ''}"
+    print(format_table(rows, bandwidth, header))
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

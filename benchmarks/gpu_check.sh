@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Device check of the Pallas kernels: every kernel against its reference at real shapes, timed
+# against the HBM bandwidth floor measured in the same run; prints a short table last and exits 1
+# when a case fails. Needs an NVIDIA GPU with jax >= 0.11.2 (CUDA) already installed; no network,
+# and nothing from the repo but kernels_pallas/ (no flax). About 2-4 minutes on an H200.
+#
+# Usage: bash benchmarks/gpu_check.sh [--only NAME] [--iters N] [--seed S]
+#        bash benchmarks/gpu_check.sh --dry-run      # any machine: interpreter, tiny shapes
+# PYTHON=... picks the interpreter (default: python3).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+cd "$ROOT"
+"$PY" -c 'import jax; print("jax", jax.__version__, "devices", jax.devices())' >&2
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -W "ignore:The Pallas Triton backend is deprecated" benchmarks/gpu_check.py "$@"

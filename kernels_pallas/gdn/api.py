@@ -1,0 +1,126 @@
+"""The Gated DeltaNet cores' public entry points: pick the Pallas kernel or the reference, explain
+refusals, and declare each kernel's contract against `kernels_pallas.gdn.reference`.
+
+Owns: which shapes and backends the Pallas kernels accept (`gdn_chunk_supported`,
+`gdn_rows_supported` return a human-readable reason or None), their default tiling, and the
+contracts below. The math lives in `reference.py` and `pallas_gpu.py`.
+
+Contracts (checked by tests/test_kernels_gdn.py):
+- Both kernels are BIT-IDENTICAL to the reference under the CPU interpreter with the default
+  tiling (block_v = dv): the kernel bodies run the reference's ops in its order, and the WY
+  inverse's forward substitution takes the order LAPACK's trsm takes on CPU.
+- What cannot be byte-equal is BOUNDED by `common.contract_bound` (twice the reference's own error
+  against the float64 oracle, plus one float32 unit roundoff; metric max |x - x64| / max |x64|
+  over o and the state(s)): the Triton body (its matvecs are multiply + sum, reduced in another
+  order than the CPU dot) and value tiles narrower than about 48 columns (Eigen switches matmul
+  kernels for narrow operands). Measured on CPU (dk=16, dv=32): rows 1.2e-7 (reference 1.5e-7),
+  chunk at T=130 1.1e-6 (reference 1.1e-6, the chunk form's own error).
+- On a GPU the kernels are compared to the reference by `benchmarks/gpu_check.py`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kernels_pallas import common
+from kernels_pallas.common import KernelRefused
+from kernels_pallas.gdn import pallas_gpu, reference
+
+CHUNK_CONTRACT = "bit-identical"
+ROWS_CONTRACT = "bit-identical"
+
+MAX_ROWS = 8  # the rows kernel unrolls its rows; decode is 1, verify is drafts + 1
+
+
+def default_block_v(kernel: str, dv: int, *, interpret: bool) -> int:
+    """Value columns per program. Interpreter: all of dv (byte-equal to the reference). GPU: 32
+    for rows (a decode step has only B * H heads to spread over the SMs), 64 for chunk (each tile
+    recomputes the chunk's dk-side terms). Untuned: benchmarks/gpu_check.py times the defaults."""
+    if interpret:
+        return dv
+    return min(dv, 32 if kernel == "rows" else 64)
+
+
+def _common_reason(q, k, v, g, beta, h0, backend: str, block_v: int) -> str | None:
+    if reason := common.backend_reason(backend):
+        return reason
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4:
+        return f"q, k must be [B, T, Hk, dk] alike and v [B, T, H, dv]; got q {q.shape}, k {k.shape}, v {v.shape}"
+    b, t, hk, dk = q.shape
+    heads, dv = v.shape[2:]
+    if v.shape[:2] != (b, t) or g.shape != (b, t, heads) or beta.shape != (b, t, heads):
+        return f"v, g, beta must share q's [B, T]; got v {v.shape}, g {g.shape}, beta {beta.shape}"
+    if h0.shape != (b, heads, dk, dv):
+        return f"h0 must be [B, H, dk, dv] = {(b, heads, dk, dv)}; got {h0.shape}"
+    if heads % hk:
+        return f"value heads {heads} are not a multiple of key heads {hk}"
+    if t < 1:
+        return "no rows"
+    if any(x.dtype != jnp.float32 for x in (q, k, v, g, beta, h0)):
+        return "the delta rule takes float32 q, k, v, g, beta and state (the reference's contract)"
+    if dv % block_v:
+        return f"block_v={block_v} does not divide dv={dv}"
+    return None
+
+
+def gdn_rows_supported(q, k, v, g, beta, h0, *, backend: str, block_v: int | None = None) -> str | None:
+    """Why the rows kernel refuses these arguments (anything with .shape/.dtype) on `backend`
+    ("interpret" or "gpu"), or None when it takes them."""
+    dv = v.shape[-1]
+    block_v = block_v or default_block_v("rows", dv, interpret=backend == "interpret")
+    if reason := _common_reason(q, k, v, g, beta, h0, backend, block_v):
+        return reason
+    b, t, _, dk = q.shape
+    if t > MAX_ROWS:
+        return f"the rows kernel unrolls at most {MAX_ROWS} rows per sequence; got T={t} (use the chunk kernel)"
+    if backend == "gpu":
+        # Its matvecs are multiply + sum, so no dot minimum: [dk], [block_v], [dk, block_v] arrays.
+        return common.triton_dims_reason(minimum=1, dk=dk, block_v=block_v) or common.int32_offsets_reason(
+            states=b * t * v.shape[2] * dk * dv
+        )
+    return None
+
+
+def gdn_chunk_supported(q, k, v, g, beta, h0, *, backend: str, block_v: int | None = None) -> str | None:
+    """Why the chunk kernel refuses these arguments on `backend`, or None when it takes them."""
+    dv = v.shape[-1]
+    block_v = block_v or default_block_v("chunk", dv, interpret=backend == "interpret")
+    if reason := _common_reason(q, k, v, g, beta, h0, backend, block_v):
+        return reason
+    b, t, _, dk = q.shape
+    if backend == "gpu":
+        tp = -(-t // reference.CHUNK) * reference.CHUNK
+        return common.triton_dims_reason(minimum=16, dk=dk, block_v=block_v) or common.int32_offsets_reason(
+            o=b * tp * v.shape[2] * dv, q=b * tp * q.shape[2] * dk
+        )
+    return None
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None):
+    """Per-row recurrence (decode / verify): (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32),
+    states[:, t] the state after row t. Arguments as `reference.recurrent_gated_delta_rule`.
+
+    implementation: "pallas" (raises `KernelRefused` with the reason when unsupported) or
+    "reference". interpret: None = `common.default_interpret()`.
+    """
+    common.check_implementation(implementation)
+    if implementation == "reference":
+        return reference.recurrent_gated_delta_rule(q, k, v, g, beta, h0)
+    interpret = common.default_interpret() if interpret is None else interpret
+    block_v = block_v or default_block_v("rows", v.shape[-1], interpret=interpret)
+    if reason := gdn_rows_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), block_v=block_v):
+        raise KernelRefused(f"gdn rows kernel: {reason}")
+    return pallas_gpu.recurrent_gated_delta_rule(q, k, v, g, beta, h0, block_v=block_v, interpret=interpret)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None):
+    """Chunked prefill: (o [B, T, H, dv] f32, final_state [B, H, dk, dv] f32). Arguments and
+    switches as `recurrent_gated_delta_rule`."""
+    common.check_implementation(implementation)
+    if implementation == "reference":
+        return reference.chunk_gated_delta_rule(q, k, v, g, beta, h0)
+    interpret = common.default_interpret() if interpret is None else interpret
+    block_v = block_v or default_block_v("chunk", v.shape[-1], interpret=interpret)
+    if reason := gdn_chunk_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), block_v=block_v):
+        raise KernelRefused(f"gdn chunk kernel: {reason}")
+    return pallas_gpu.chunk_gated_delta_rule(q, k, v, g, beta, h0, block_v=block_v, interpret=interpret)

@@ -1,0 +1,105 @@
+"""Pallas (Triton-lowerable) causal GQA attention over the paged KV cache, for decode rows, verify
+rows and prefill chunks alike.
+
+Owns: the `pallas_call`, its row layout and its tile loop. Callers go through
+`kernels_pallas.paged_attention.api`, which checks shapes first.
+
+Layout (B batch, T rows, H query heads, KV kv heads, rep = H // KV, D head dim, bs block size):
+- The query rows of one kv head are flattened to M = T * rep rows (row m = t * rep + r is head
+  kv * rep + r of row t) and padded to a multiple of `block_rows`; grid = (B, KV, Mp // block_rows).
+- A program walks its sequence's block table in tiles of `pages` blocks (pages * bs keys), from
+  key 0 up to the largest position among its rows, with an online softmax in float32.
+- The block table row is an ordinary input read inside the kernel (Triton has no scalar prefetch);
+  the pools are whole-array inputs gathered by block id inside the kernel.
+
+Invariants:
+- A row reads keys 0..position of its own sequence only; keys past the block's largest position are
+  never loaded, and K/V that a tile loads past a row's position are masked out of the scores and
+  zeroed out of the values, so stale or non-finite KV there never reaches the output.
+- Padding rows (position < 0) output exact zeros. Every output element is written exactly once.
+- Scores, softmax and the PV accumulation are float32; K/V are cast to q's dtype before each dot
+  and the probabilities are cast to it before the PV dot, as the reference does.
+
+Precondition: positions < block_tables.shape[1] * bs (a row's keys fit its table).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: float, pages: int):
+    """q_ref [bm, D]; pos_ref [bm] int32; bt_ref [MBp] int32; k_ref, v_ref [NB, bs, D];
+    o_ref [bm, D]."""
+    bs, d = k_ref.shape[1:]
+    tile = pages * bs
+    q = q_ref[...]  # [bm, D]
+    pos = pos_ref[...]  # [bm]
+    last = jnp.max(pos)  # the furthest key any row of this block reads
+    n_tiles = jnp.where(last >= 0, last // tile + 1, 0)
+
+    def body(j, carry):
+        acc, m, l = carry  # [bm, D] [bm] [bm] f32
+        ids = bt_ref[pl.ds(j * pages, pages)]  # [pages]
+        k = k_ref[ids].reshape(tile, d).astype(q.dtype)  # [tile, D]
+        v = v_ref[ids].reshape(tile, d).astype(q.dtype)
+        kpos = j * tile + lax.broadcasted_iota(jnp.int32, (tile,), 0)  # [tile]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(kpos[None, :] <= pos[:, None], s, -jnp.inf)  # [bm, tile]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: p = alpha = 0
+        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        v = jnp.where((kpos <= last)[:, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
+        pv = jnp.dot(p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+        return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full(pos.shape, -jnp.inf, jnp.float32), jnp.zeros(pos.shape, jnp.float32))
+    acc, _, l = lax.fori_loop(0, n_tiles, body, init)
+    out = jnp.where((pos >= 0)[:, None], acc / l[:, None], 0.0)  # padding rows: l = 0 -> zeros
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, *, block_rows: int, pages: int, interpret: bool):
+    """q [B, T, H, D]; k_cache, v_cache [NB, bs, KV, D]; block_tables [B, MB] int32;
+    positions [B, T] int32 (< 0 = padding). Returns [B, T, H, D] in q's dtype.
+
+    NOTE: the row flattening is a transpose copy of q and of the output (T * H * D each), and the
+    block table is padded to a multiple of `pages` with block 0 (only ever read past every row's
+    last key, where it is masked).
+    """
+    b, t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    rep = h // kvh
+    m = t * rep
+    mp = -(-m // block_rows) * block_rows
+    rows = q.reshape(b, t, kvh, rep, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, m, d)
+    rows = jnp.pad(rows, [(0, 0), (0, 0), (0, mp - m), (0, 0)])  # [B, KV, Mp, D]
+    row_pos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), rep, axis=1), [(0, 0), (0, mp - m)], constant_values=-1)
+    tables = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, (-block_tables.shape[1]) % pages)])
+    row_spec = pl.BlockSpec((None, None, block_rows, d), lambda i, g, j: (i, g, j, 0))
+    pool_spec = pl.BlockSpec((k_cache.shape[0], k_cache.shape[1], None, d), lambda i, g, j: (0, 0, g, 0))
+    out = pl.pallas_call(
+        functools.partial(_attention_kernel, scale=scale, pages=pages),
+        grid=(b, kvh, mp // block_rows),
+        in_specs=[
+            row_spec,
+            pl.BlockSpec((None, block_rows), lambda i, g, j: (i, j)),
+            pl.BlockSpec((None, tables.shape[1]), lambda i, g, j: (i, 0)),
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=2),
+        name=f"paged_attention_bm{block_rows}_p{pages}",
+    )(rows, row_pos, tables, k_cache, v_cache)
+    out = out[:, :, :m].reshape(b, kvh, t, rep, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, t, h, d)

@@ -1,0 +1,30 @@
+"""Shared test fixtures: the embedded tiny model and settings builders.
+
+Engines are module-scoped where tests can share compiled programs (compilation dominates the
+suite's time on a 2-core CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from metrale_jax.engine.settings import resolve_settings  # noqa: E402
+from metrale_jax.presets import resolve_checkpoint  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def settings(**flags):
+    """EngineSettings from serve flags given as Python values (names as in EngineSettings).
+    KV defaults to f32 here (the serve default, fp8, is lossy next to a float32 model)."""
+    flags.setdefault("kv_cache_dtype", "f32")
+    raw = {k: (str(v) if k == "max_batch_size" else v) for k, v in flags.items()}
+    return resolve_settings(raw, None, auto_slots=int(flags.get("max_batch_size", 8)))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return resolve_checkpoint("tiny")

@@ -1,0 +1,336 @@
+"""The engine core: write-on-accept verify, fold, commit, drafter, isolation, errors, recompiles.
+
+Bytewise claims compare runs of identical program shapes (XLA CPU dots are not batch-invariant,
+so a [B, 4] verify grid and a [B, 1] decode differ in the last ulp); claims across shapes use
+float32 tolerances.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from conftest import settings
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sequences import EngineError
+from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
+from metrale_jax.model.cache import prefill_and_decode
+
+K = 4
+PROMPT = [int(x) for x in np.random.default_rng(7).integers(0, 256, size=21)]
+
+
+@pytest.fixture(scope="module")
+def eng(tiny):
+    cfg, params = tiny
+    return Engine(cfg, params, settings(max_batch_size=12, max_seq_len=256, speculative=True, num_drafts=3))
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny):
+    cfg, params = tiny
+    _, fed = prefill_and_decode(params, cfg, PROMPT, 12)
+    return fed
+
+
+def _free_all(eng, seqs):
+    for s in reversed(seqs):
+        eng.free_sequence(s)
+
+
+def _slot_state(eng, slot):
+    t = eng.pool.trunk
+    return np.asarray(t.gdn_h[:, slot]), np.asarray(t.gdn_conv[:, slot])
+
+
+def _step(eng, seqs, rows, na):
+    """Verify `rows` (one list per sequence), then the scheduler's verdict order with `na`."""
+    ks = [len(r) for r in rows]
+    logits, am = eng.verify_batched(seqs, [t for r in rows for t in r], ks)
+    off = np.concatenate([[0], np.cumsum(ks)])
+    eng.stash_verify_hidden_rows(seqs, [int(off[i]) + a for i, a in enumerate(na)])
+    eng.gdn_fold_accepted(seqs, [a + 1 for a in na], ks)
+    for s, k, a in zip(seqs, ks, na):
+        eng.rewind(s, k - 1 - a)
+    eng.commit_accepted_prefixes(seqs, [a + 1 for a in na], ks)
+    return logits, am
+
+
+@hsettings(max_examples=5, deadline=None)
+@given(a=st.integers(0, K - 1), bump=st.integers(1, 255))
+def test_partial_accept_equals_verifying_only_the_accepted_prefix(eng, greedy_ref, a, bump):
+    """Accepting a of K-1 drafts leaves exactly the state (h, conv, KV) of a verify that carried
+    only the accepted prefix (bytewise: same program shape), and the next logits are equal."""
+    seqs = [eng.alloc_sequence(), eng.alloc_sequence()]
+    try:
+        last = [int(eng.prefill(s, PROMPT).argmax()) for s in seqs]
+        drafts = list(greedy_ref[1:K])
+        drafts[-1] = (drafts[-1] + bump) % 256  # the rows past `a` are junk either way
+        _step(eng, seqs, [[last[0], *drafts], [last[1], *drafts[:a]]], [a, a])
+        for x, y in zip(_slot_state(eng, seqs[0].slot), _slot_state(eng, seqs[1].slot)):
+            np.testing.assert_array_equal(x, y)
+        assert seqs[0].seq_len == seqs[1].seq_len == len(PROMPT) + a + 1
+        nxt = eng.decode_batch(seqs, [7, 7])
+        np.testing.assert_array_equal(nxt[0], nxt[1])
+    finally:
+        _free_all(eng, seqs)
+
+
+def test_full_accept_equals_sequential_decodes(eng, greedy_ref):
+    """K rows verified and all accepted == K single-token decodes (f32 tolerance: other shapes)."""
+    seqs = [eng.alloc_sequence(), eng.alloc_sequence()]
+    try:
+        last = int(eng.prefill(seqs[0], PROMPT).argmax())
+        eng.prefill(seqs[1], PROMPT)
+        rows = [last, *greedy_ref[1:K]]
+        vlogits, _ = _step(eng, [seqs[0]], [rows], [K - 1])
+        dlogits = np.stack([eng.decode(seqs[1], t) for t in rows])
+        np.testing.assert_allclose(vlogits, dlogits, rtol=0, atol=2e-5 * np.abs(dlogits).max())
+        (h0, c0), (h1, c1) = _slot_state(eng, seqs[0].slot), _slot_state(eng, seqs[1].slot)
+        np.testing.assert_allclose(h0, h1, atol=1e-5)
+        np.testing.assert_allclose(c0, c1, atol=1e-5)
+    finally:
+        _free_all(eng, seqs)
+
+
+def test_anchor_only_accept_a0_commits_row_zero(eng, greedy_ref):
+    """a = 0 (every draft rejected): the committed state is the one after the anchor row alone
+    (no index -1, no rejected draft in the conv window) — spec_decode_gdn_state.md bugs 4, 5, 17."""
+    seqs = [eng.alloc_sequence(), eng.alloc_sequence()]
+    try:
+        last = [int(eng.prefill(s, PROMPT).argmax()) for s in seqs]
+        bad = [(t + 1) % 256 for t in greedy_ref[1:K]]
+        _step(eng, seqs, [[last[0], *bad], [last[1]]], [0, 0])
+        for x, y in zip(_slot_state(eng, seqs[0].slot), _slot_state(eng, seqs[1].slot)):
+            np.testing.assert_array_equal(x, y)
+    finally:
+        _free_all(eng, seqs)
+
+
+def test_non_speculative_step_after_speculative_one(eng, tiny, greedy_ref):
+    """A plain decode after a partial accept reads the folded state (vLLM #40738): the tokens
+    continue exactly as plain greedy decoding."""
+    seq = eng.alloc_sequence()
+    try:
+        last = int(eng.prefill(seq, PROMPT).argmax())
+        drafts = [greedy_ref[1], (greedy_ref[2] + 1) % 256, greedy_ref[3]]
+        _, am = _step(eng, [seq], [[last, *drafts]], [1])
+        assert list(am[:2]) == greedy_ref[1:3]
+        tok, out = int(am[1]), []
+        for _ in range(4):
+            tok = int(eng.decode(seq, tok).argmax())
+            out.append(tok)
+        assert out == greedy_ref[3:7]
+    finally:
+        eng.free_sequence(seq)
+
+
+def test_mixed_widths_ragged_rows_are_independent(eng, greedy_ref):
+    """Ragged K [4, 2, 3] in one batch: each sequence's logits equal its own uniform-shape run of
+    the same width bucket (rows never read another sequence's rows) — bug 14."""
+    seqs = [eng.alloc_sequence() for _ in range(3)]
+    try:
+        last = [int(eng.prefill(s, PROMPT).argmax()) for s in seqs]
+        rows = [[last[0], *greedy_ref[1:4]], [last[1], greedy_ref[1]], [last[2], *greedy_ref[1:3]]]
+        ragged, _ = eng.verify_batched(seqs, [t for r in rows for t in r], [4, 2, 3])
+        _free_all(eng, seqs)
+        seqs = [eng.alloc_sequence() for _ in range(3)]
+        for s in seqs:
+            eng.prefill(s, PROMPT)
+        full, _ = eng.verify_batched(seqs, [t for _ in range(3) for t in rows[0]], [4, 4, 4])
+        np.testing.assert_array_equal(ragged[0:2], full[0:2])  # seq 0 rows 0..1 == seq 1's rows
+        np.testing.assert_array_equal(ragged[4:6], full[4:6])
+        np.testing.assert_array_equal(ragged[6:9], full[8:11])
+    finally:
+        _free_all(eng, seqs)
+
+
+def test_rejected_kv_never_influences_later_logits(eng, greedy_ref):
+    """After a partial accept, poisoning every KV entry past the sequence's length (where the
+    rejected rows wrote) with NaN changes nothing in the next step."""
+    seq = eng.alloc_sequence()
+    try:
+        last = int(eng.prefill(seq, PROMPT).argmax())
+        _step(eng, [seq], [[last, greedy_ref[1], 0, 0]], [1])
+        snap = jax.tree_util.tree_map(lambda x: x.copy(), eng.pool)
+        clean = eng.decode(seq, greedy_ref[2])
+        eng.rewind(seq, 1)
+        bs = eng.counts.block_size
+        t = snap.trunk
+        kv_k, kv_v = np.array(t.kv_k), np.array(t.kv_v)
+        for p in range(seq.seq_len, len(seq.blocks) * bs):
+            kv_k[:, seq.blocks[p // bs], p % bs] = np.nan
+            kv_v[:, seq.blocks[p // bs], p % bs] = np.nan
+        eng.pool = snap.replace(trunk=t.replace(kv_k=jnp.asarray(kv_k), kv_v=jnp.asarray(kv_v)))
+        np.testing.assert_array_equal(eng.decode(seq, greedy_ref[2]), clean)
+    finally:
+        eng.free_sequence(seq)
+
+
+def _poison_except(pool, eng, seqs):
+    """NaN in every slot, verify row, KV block and stash row not owned by `seqs` (dummy included)."""
+    own_slots = {s.slot for s in seqs}
+    own_blocks = {b for s in seqs for b in s.blocks}
+    own_dblocks = {b for s in seqs for b in s.draft_blocks}
+    own_vrows = {r for s in seqs for r in range(eng.counts.h_step_offsets[s.slot], eng.counts.h_step_offsets[s.slot + 1])}
+
+    def poison(a, axis, keep):
+        a = np.array(a)
+        idx = [i for i in range(a.shape[axis]) if i not in keep]
+        sl = [slice(None)] * a.ndim
+        sl[axis] = idx
+        a[tuple(sl)] = np.nan
+        return jnp.asarray(a)
+
+    t = pool.trunk
+    t = t.replace(
+        gdn_h=poison(t.gdn_h, 1, own_slots), gdn_conv=poison(t.gdn_conv, 1, own_slots),
+        kv_k=poison(t.kv_k, 1, own_blocks), kv_v=poison(t.kv_v, 1, own_blocks),
+        verify_h=poison(t.verify_h, 1, own_vrows), verify_conv=poison(t.verify_conv, 1, own_slots),
+    )
+    return pool.replace(trunk=t, stash=poison(pool.stash, 0, own_slots),
+                        draft_k=poison(pool.draft_k, 1, own_dblocks), draft_v=poison(pool.draft_v, 1, own_dblocks))
+
+
+def _run_isolated(eng, greedy_ref, poison):
+    seqs = [eng.alloc_sequence() for _ in range(3)]
+    try:
+        outs = []
+        for s in seqs:
+            outs.append(eng.prefill(s, PROMPT))
+        if poison:
+            eng.pool = _poison_except(eng.pool, eng, seqs)
+        last = [int(o.argmax()) for o in outs]
+        rows = [[last[0], *greedy_ref[1:4]], [last[1], greedy_ref[1]], [last[2], *greedy_ref[1:3]]]
+        outs.append(_step(eng, seqs, rows, [3, 0, 1])[0])
+        d, c, lg = eng.propose_batched(seqs, [1, 2, 3], 3)
+        outs += [d, c, lg, eng.decode_batch(seqs, [4, 5, 6])]
+        outs += [np.asarray(eng.pool.trunk.gdn_h[:, s.slot]) for s in seqs]
+        return outs
+    finally:
+        _free_all(eng, seqs)
+
+
+def test_slot_isolation_nan_elsewhere_changes_nothing(eng, greedy_ref):
+    """NaN in every other slot, block, verify row and stash row (the padding dummy included):
+    logits, drafts, confidences and state are bit-identical — bugs 13, 16."""
+    clean = _run_isolated(eng, greedy_ref, poison=False)
+    dirty = _run_isolated(eng, greedy_ref, poison=True)
+    for a, b in zip(clean, dirty):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_speculative_equals_greedy_mtp_and_oracle(eng, tiny):
+    """Greedy speculative generation (MTP drafts, and oracle drafts with planted errors so full
+    and partial accepts both happen) emits exactly plain greedy's tokens, ragged K included."""
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(0, 256, size=n)] for n in (9, 17, 30)]
+    ref = greedy_generate(eng, prompts, 64)
+    for nd in (1, 3):
+        r = speculative_generate(eng, prompts, 64, DraftSchedule(nd))
+        assert r.tokens == ref
+
+    def oracle(i, toks, n):
+        done = len(toks) - len(prompts[i])
+        d = list(ref[i][done : done + n]) + [0] * n
+        if (done + i) % 3 == 1 and n >= 2:
+            d[1] = (d[1] + 1) % 256
+        return d[: (i % 3) + 1 if n > 1 else n]
+
+    r = speculative_generate(eng, prompts, 64, DraftSchedule(3), draft_source=oracle)
+    assert r.tokens == ref
+    acc = [(a, k) for s in r.steps for a, k in zip(s.accepted, s.ks)]
+    assert any(a == k - 1 and k > 1 for a, k in acc) and any(a < k - 1 for a, k in acc)
+    assert len({k for s in r.steps for k in s.ks}) > 1
+
+
+def test_drafter_chains_its_own_normed_hidden(eng, tiny):
+    """Draft j >= 1 pairs the previous draft with the MTP head's own normed output at position
+    p + j (bugs 8-10): the engine's batched propose equals a dense re-computation."""
+    from metrale_jax.model.cache import forward, new_cache
+    from metrale_jax.model.state_io import PoolIO
+    from metrale_jax.model.trunk import final_norm, mtp_forward
+
+    cfg, params = tiny
+    seq = eng.alloc_sequence()
+    try:
+        last = int(eng.prefill(seq, PROMPT).argmax())
+        drafts, conf, lg = eng.propose_batched([seq], [last], 3)
+    finally:
+        eng.free_sequence(seq)
+    n = len(PROMPT)
+    _, hidden, _ = forward(params, cfg, jnp.asarray([PROMPT]), new_cache(cfg, 1, n + 8), jnp.int32(0))
+    cache = new_cache(cfg, 1, n + 8)
+    state = cache.replace(kv_k=cache.kv_k[:1], kv_v=cache.kv_v[:1])
+
+    def io(pos):
+        return PoolIO(cfg=cfg, slots=None, lens=None, positions=jnp.asarray([pos], jnp.int32),
+                      block_tables=jnp.zeros((1, 1), jnp.int32), null_block=1, gdn_mode="rows")
+
+    toks = jnp.asarray([PROMPT[1:] + [last]])
+    m, logits, state = mtp_forward(params, cfg, toks, final_norm(params, cfg, hidden), io(list(range(n))), state)
+    want = [int(jnp.argmax(logits[0, -1]))]
+    h = m[:, -1:]
+    for j in range(1, 3):
+        h, logits, state = mtp_forward(params, cfg, jnp.asarray([[want[-1]]]), h, io([n - 1 + j]), state)
+        want.append(int(jnp.argmax(logits[0, -1])))
+    assert list(drafts[0]) == want
+    np.testing.assert_allclose(lg[0], np.asarray(logits[0, -1]), atol=1e-4)
+    lsm = jax.nn.log_softmax(logits[0, -1])
+    np.testing.assert_allclose(conf[0, -1], lsm[want[-1]], atol=1e-5)
+
+
+def test_errors_leave_no_leak(eng):
+    slots_live, free = eng.slots.live, eng.blocks.free_count
+    seq = eng.alloc_sequence()
+    with pytest.raises(EngineError, match="over --max-seq-len"):
+        eng.prefill(seq, [1] * 300)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        eng.prefill(seq, [1, 999])
+    eng.prefill(seq, [1, 2, 3])
+    with pytest.raises(EngineError, match="cannot verify K=5"):
+        eng.verify_batched([seq], [1] * 5, [5])
+    taken = eng.blocks.alloc_many(eng.blocks.free_count)
+    with pytest.raises(EngineError, match="KV blocks exhausted"):
+        eng.decode_batch([seq], [1] * 1) if len(seq.blocks) * 16 > 4 else None
+        eng.prefill(seq, [1] * 40)
+    eng.blocks.free_many(taken)
+    eng.free_sequence(seq)
+    with pytest.raises(EngineError, match="already freed"):
+        eng.free_sequence(seq)
+    assert (eng.slots.live, eng.blocks.free_count) == (slots_live, free)
+    seqs = [eng.alloc_sequence() for _ in range(12)]
+    with pytest.raises(EngineError, match="no free sequence slot"):
+        eng.alloc_sequence()
+    # slots 8.. hold 1 draft under the default ladder with 3 drafts
+    assert [eng.counts.slot_draft_capacity(s.slot) for s in seqs] == [3] * 8 + [1] * 4
+    _free_all(eng, seqs)
+    assert (eng.slots.live, eng.blocks.free_count) == (slots_live, free)
+
+
+def test_zero_recompiles_in_a_ragged_verify_loop(eng, greedy_ref):
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+    seqs = [eng.alloc_sequence() for _ in range(3)]
+    try:
+        last = [int(eng.prefill(s, PROMPT).argmax()) for s in seqs]
+        pattern = [[4, 2, 3], [2, 2, 2], [3, 4, 1]]
+        for step in range(53):
+            if step == 3:
+                before, compiles[:] = eng.programs.compilations, []
+            ks = pattern[step % 3]
+            rows = [[last[i], *greedy_ref[1:ks[i]]] for i in range(3)]
+            na = [(step + i) % k for i, k in enumerate(ks)]
+            _, am = _step(eng, seqs, rows, na)
+            eng.propose_batched(seqs, last, 3)
+            for s in seqs:
+                eng.trim_proposer(s)
+                if s.seq_len > 200:
+                    eng.rewind(s, s.seq_len - len(PROMPT))
+        assert eng.programs.compilations == before
+        assert compiles == []
+    finally:
+        _free_all(eng, seqs)

@@ -1,0 +1,43 @@
+"""`benchmarks/gpu_check.py` without a GPU: the dry run passes end to end, the real shape set is
+supported on "gpu" and lowers to Triton for CUDA, and a real run refuses to start off GPU."""
+
+import functools
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from kernels_pallas.gdn import api as gdn_api
+from kernels_pallas.paged_attention import api as attn_api
+from test_kernels_lowering import TRITON, export_cuda
+
+_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.py")
+_spec = importlib.util.spec_from_file_location("gpu_check", _path)
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+def test_dry_run_passes(capsys):
+    assert gpu_check.main(["--dry-run", "--iters", "1"]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert "DRY RUN" in table[0]
+    assert [line.split()[-1] for line in table[-len(gpu_check.CASES):]] == ["ok"] * len(gpu_check.CASES)
+
+
+@pytest.mark.parametrize("case", gpu_check.CASES, ids=lambda c: c.name)
+def test_real_shapes_supported_and_lower(case):
+    assert gpu_check.supported(case, case.real, "gpu") is None
+    fn = {
+        "gdn_rows": gdn_api.recurrent_gated_delta_rule,
+        "gdn_chunk": gdn_api.chunk_gated_delta_rule,
+        "attention": functools.partial(attn_api.paged_attention, scale=0.0625),
+    }[case.kernel]
+    assert TRITON in export_cuda(functools.partial(fn, interpret=False), *gpu_check.abstract_args(case, case.real))
+
+
+def test_real_run_needs_a_gpu():
+    with pytest.raises(SystemExit):
+        gpu_check.main([])
