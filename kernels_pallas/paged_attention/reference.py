@@ -54,7 +54,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
     vals = jnp.where(live[:, :, None, None], vals, 0)
     rep = h // kvh
     qg = q.reshape(b, t, kvh, rep, d)
-    scores = jnp.einsum("btgrd,bsgd->btgrs", qg, keys, preferred_element_type=jnp.float32) * scale
+    # NOTE: the scores are rounded to q's dtype and scaled in it before the f32 softmax, as HF's
+    # eager attention does (a no-op in float32).
+    scores = jnp.einsum("btgrd,bsgd->btgrs", qg, keys, preferred_element_type=jnp.float32)
+    scores = (scores.astype(q.dtype) * jnp.asarray(scale, q.dtype)).astype(jnp.float32)
     mask = span[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
     valid = positions >= 0

@@ -44,7 +44,10 @@ def moe(p, x, cfg: ModelConfig):
     gu = jnp.einsum("...i,eoi->...eo", x, p["gate_up"])
     h = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
     expert_out = jnp.einsum("...ei,eoi->...eo", h, p["down"])  # [..., E, Hd]
-    routed = jnp.sum(expert_out * combine[..., None], axis=-2)
+    # NOTE: routed outputs are accumulated in expert-index order in the activation dtype, each
+    # product and sum rounded, as transformers does (it matters in bfloat16 only).
+    terms = jnp.moveaxis(expert_out * combine[..., None], -2, 0)  # [E, ..., Hd]
+    routed, _ = jax.lax.scan(lambda acc, t: (acc + t, None), jnp.zeros_like(terms[0]), terms)
     shared = swiglu(p["shared"], x) * jax.nn.sigmoid(_lin(x, p["shared_gate"]))
     return routed + shared
 
