@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import lowering as triton_lowering
+from jax._src.pallas.triton import lowering as triton_lowering  # private: only to read the Triton IR
 from jax.sharding import AbstractMesh, AxisType
 
 from kernels_pallas import common

@@ -10,8 +10,8 @@ Layout (B batch, T rows, Hk key heads, H value heads, r = H // Hk, dk key dim, d
 
 Invariants:
 - Every op of a kernel body is the reference's op, in the reference's order, on the block that the
-  reference's batched op would give this (b, h) — so under the interpreter the kernels are
-  byte-equal to `kernels_pallas.gdn.reference` (the matvec form aside, see
+  reference's batched op would give this (b, h) — so under the interpreter, with block_v = dv,
+  the kernels are byte-equal to `kernels_pallas.gdn.reference` (the matvec form aside, see
   `kernels_pallas.common.matvec_form`).
 - The state is float32 throughout; every output element is written exactly once.
 

@@ -10,15 +10,21 @@ Layout (B batch, T rows, H query heads, KV kv heads, rep = H // KV, D head dim, 
 - A program walks its sequence's block table in tiles of `pages` blocks (pages * bs keys), from
   key 0 up to the largest position among its rows, with an online softmax in float32.
 - The block table row is an ordinary input read inside the kernel (Triton has no scalar prefetch);
-  the pools are whole-array inputs gathered by block id inside the kernel.
+  the pools are whole-array inputs gathered by block id and kv head inside the kernel.
+
+NOTE: the pools' BlockSpec is `memory_space=pl.ANY` (no block): Triton gets a plain pointer either
+way, and the interpreter then reads the pools in place instead of copying a pool-sized block at
+every grid step (which made interpret mode 10x slower at engine-sized pools).
 
 Invariants:
-- A row reads keys 0..position of its own sequence only; keys past the block's largest position are
-  never loaded, and K/V that a tile loads past a row's position are masked out of the scores and
-  zeroed out of the values, so stale or non-finite KV there never reaches the output.
+- A row reads keys 0..position of its own sequence only. Tiles past the one holding the block's
+  largest position are never loaded; within that tile, keys past it are masked out of the scores
+  and zeroed out of the values, so stale or non-finite KV there (or in table entries past the
+  sequence's blocks) never reaches the output.
 - Padding rows (position < 0) output exact zeros. Every output element is written exactly once.
-- Scores, softmax and the PV accumulation are float32; K/V are cast to q's dtype before each dot
-  and the probabilities are cast to it before the PV dot, as the reference does.
+- Dtypes follow the reference: K/V are cast to q's dtype before each dot; the QK dot accumulates in
+  float32, its scores are rounded to q's dtype and scaled in it (HF's eager path); softmax and the
+  PV accumulation are float32, with the probabilities cast to q's dtype before the PV dot.
 
 Precondition: positions < block_tables.shape[1] * bs (a row's keys fit its table).
 """
@@ -35,9 +41,10 @@ from jax.experimental.pallas import triton as pltriton
 
 
 def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: float, pages: int):
-    """q_ref [bm, D]; pos_ref [bm] int32; bt_ref [MBp] int32; k_ref, v_ref [NB, bs, D];
-    o_ref [bm, D]."""
-    bs, d = k_ref.shape[1:]
+    """q_ref [bm, D]; pos_ref [bm] int32; bt_ref [MBp] int32; k_ref, v_ref [NB, bs, KV, D] (whole
+    pools; this program's kv head is program_id(1)); o_ref [bm, D]."""
+    bs, d = k_ref.shape[1], k_ref.shape[3]
+    g = pl.program_id(1)
     tile = pages * bs
     q = q_ref[...]  # [bm, D]
     pos = pos_ref[...]  # [bm]
@@ -47,10 +54,11 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
     def body(j, carry):
         acc, m, l = carry  # [bm, D] [bm] [bm] f32
         ids = bt_ref[pl.ds(j * pages, pages)]  # [pages]
-        k = k_ref[ids].reshape(tile, d).astype(q.dtype)  # [tile, D]
-        v = v_ref[ids].reshape(tile, d).astype(q.dtype)
+        k = k_ref[ids, :, g].reshape(tile, d).astype(q.dtype)  # [tile, D]
+        v = v_ref[ids, :, g].reshape(tile, d).astype(q.dtype)
         kpos = j * tile + lax.broadcasted_iota(jnp.int32, (tile,), 0)  # [tile]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = (s.astype(q.dtype) * jnp.asarray(scale, q.dtype)).astype(jnp.float32)  # as the reference
         s = jnp.where(kpos[None, :] <= pos[:, None], s, -jnp.inf)  # [bm, tile]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: p = alpha = 0
@@ -84,7 +92,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
     row_pos = jnp.pad(jnp.repeat(positions.astype(jnp.int32), rep, axis=1), [(0, 0), (0, mp - m)], constant_values=-1)
     tables = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, (-block_tables.shape[1]) % pages)])
     row_spec = pl.BlockSpec((None, None, block_rows, d), lambda i, g, j: (i, g, j, 0))
-    pool_spec = pl.BlockSpec((k_cache.shape[0], k_cache.shape[1], None, d), lambda i, g, j: (0, 0, g, 0))
+    pool_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         functools.partial(_attention_kernel, scale=scale, pages=pages),
         grid=(b, kvh, mp // block_rows),

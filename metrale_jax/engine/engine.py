@@ -32,6 +32,7 @@ from metrale_jax.engine.pool import allocate_pool
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
 from metrale_jax.engine.settings import EngineSettings
+from metrale_jax.model.layout import stack_layer_groups
 from metrale_jax.model.state_io import ReferenceOps
 
 FORWARDS = ("xla", "pallas")
@@ -68,7 +69,7 @@ class Engine:
         if unsupported:
             raise EngineError("not supported: " + "; ".join(unsupported))
         self.cfg = cfg
-        self.params = params
+        self.params = stack_layer_groups(params, cfg)
         self.settings = settings
         self.dtype = params["embed"].dtype
         self.counts = pool_counts(settings, cfg)
@@ -93,7 +94,13 @@ class Engine:
         self.forward = name
 
     def disclosure(self, name: str | None = None) -> dict:
-        return self.programs.disclosure(name or self.forward)
+        """What a forward compiled (plan digest, launches per step, per-program digests) and, for
+        a kernel forward, the shapes its kernels refused (run by the reference instead)."""
+        name = name or self.forward
+        out = self.programs.disclosure(name)
+        ops = make_ops(name)
+        out["refusals"] = list(ops.refusals()) if hasattr(ops, "refusals") else []
+        return out
 
     # ------------------------------------------------------------ sequences
 

@@ -12,9 +12,10 @@ Invariants:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from metrale_jax.config import FULL, ModelConfig
+from metrale_jax.config import FULL, LINEAR, ModelConfig
 from metrale_jax.model import attention as attn_math
 from metrale_jax.model import gdn as gdn_math
 from metrale_jax.model.mlp import ffn
@@ -37,12 +38,30 @@ def decoder_layer(lp, x, positions, cfg: ModelConfig, kind: str, idx: int, io, s
 
 
 def trunk(params, cfg: ModelConfig, tokens, io, state):
-    """tokens [B, T] int32 -> (hidden [B, T, Hd] before the final norm, new state)."""
+    """tokens [B, T] int32 -> (hidden [B, T, Hd] before the final norm, new state).
+
+    params may be in list layout (`layers`) or scan layout (`layer_groups`, see
+    `metrale_jax.model.layout`): the scan loops over groups with the state in the carry, and each
+    layer addresses its state by (group * layers of its kind per group + its rank in the group).
+    """
     x = params["embed"][tokens]
-    counters = {"linear_attention": 0, FULL: 0}
-    for lp, kind in zip(params["layers"], cfg.layer_types):
-        x, state = decoder_layer(lp, x, io.positions, cfg, kind, counters[kind], io, state)
-        counters[kind] += 1
+    if "layer_groups" not in params:
+        counters = {LINEAR: 0, FULL: 0}
+        for lp, kind in zip(params["layers"], cfg.layer_types):
+            x, state = decoder_layer(lp, x, io.positions, cfg, kind, counters[kind], io, state)
+            counters[kind] += 1
+        return x, state
+    pattern = cfg.layer_types[: len(params["layer_groups"])]
+    per_group = {k: pattern.count(k) for k in (LINEAR, FULL)}
+    rank = [pattern[:j].count(kind) for j, kind in enumerate(pattern)]
+
+    def group(carry, gp):
+        x, state, g = carry
+        for j, (lp, kind) in enumerate(zip(gp, pattern)):
+            x, state = decoder_layer(lp, x, io.positions, cfg, kind, g * per_group[kind] + rank[j], io, state)
+        return (x, state, g + 1), None
+
+    (x, state, _), _ = jax.lax.scan(group, (x, state, jnp.int32(0)), params["layer_groups"])
     return x, state
 
 

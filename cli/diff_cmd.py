@@ -1,0 +1,123 @@
+"""`metrale-jax diff`: forward parity of the engine, byte for byte, with a verdict.
+
+Owns only argument handling: the mode flags into a `DiffRequest`, the serve flags into
+`EngineSettings` (as `serve` resolves them), the engine, the variants, then the report to
+`--out` and a summary (or the JSON) on stdout. The diff itself is `metrale_jax.diff.run_diff`.
+
+Invariants:
+- Exit 0 on PASS, 1 on FAIL, 2 with one `error: ...` line per problem on a bad request (flags,
+  checkpoint, settings, an engine that cannot serve the diff).
+- Unless given, `--max-seq-len` is sized to the longest sequence the diff reaches and
+  `--max-batch-size` raised to the slots it holds; the report's settings table says so.
+- Progress goes to stderr only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import click
+
+from metrale_jax.diff import Bar, DiffRequest, DiffRequestError, default_variants, render_summary, run_diff, to_json
+from metrale_jax.diff.variants import known_labels
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sequences import EngineError
+from metrale_jax.engine.settings import Behavior, BehaviorError, SettingsError, pop_serve_raw, resolve_settings, serve_options
+from metrale_jax.presets import resolve_checkpoint
+from metrale_jax_cli.errors import UsageError, register_user_error, user_errors
+
+for _error in (DiffRequestError, SettingsError, BehaviorError):
+    register_user_error(_error)
+
+SIZED_RULE = "diff: sized to what this diff runs"
+
+
+def _ints(flag: str, text: str | None) -> tuple[int, ...]:
+    """A comma-separated list of integers (None or empty: no list)."""
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def _settings(checkpoint: str, raw: dict, request: DiffRequest):
+    """Resolve the serve flags, sizing the context and slots the user left unset."""
+    behavior = Behavior.load(Path(checkpoint) / "MODEL.toml") if os.path.isdir(checkpoint) else None
+    auto = max(request.slots_needed(), 1)
+    settings = resolve_settings(raw, behavior, auto_slots=auto)
+    sized = {}
+    if "max_seq_len" not in raw:
+        sized["max_seq_len"] = -(-request.tokens_needed(settings.num_drafts) // 64) * 64
+    if "max_batch_size" not in raw and settings.max_batch_size < request.slots_needed():
+        sized["max_batch_size"] = str(request.slots_needed())
+    if not sized:
+        return settings
+    settings = resolve_settings({**raw, **sized}, behavior, auto_slots=auto)
+    opts = {"--" + k.replace("_", "-") for k in sized}
+    table = tuple(dataclasses.replace(p, requested="", rule=SIZED_RULE) if p.setting in opts else p
+                  for p in settings.provenance)
+    return dataclasses.replace(settings, provenance=table)
+
+
+@click.command("diff", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--checkpoint", required=True, help="Checkpoint directory or preset name (tiny).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weight/activation dtype the model is served in.")
+@click.option("--steps", type=int, required=True, help="Decode or verify steps per run (>= 2; --swap >= 4).")
+@click.option("--prompts", "n_prompts", type=int, default=1, show_default=True, help="Prompts of the default mode.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--batch", help="Mode: multi-sequence decode at widths n,.. (each >= 2).")
+@click.option("--fragment-slots", is_flag=True, help="Hold a spare slot before sequence n/2 (--batch, --verify-batch).")
+@click.option("--verify", help="Mode: single-sequence verify at K,.. (2..4 each).")
+@click.option("--mtp", is_flag=True, help="Also propose with the MTP drafter after each verify and compare it.")
+@click.option("--verify-batch", help="Mode: batched verify of n,.. sequences (the scheduler's step).")
+@click.option("--verify-batch-ks", help="The Ks of --verify-batch: uniform shapes per K, then one ragged mix.")
+@click.option("--prefill", help="Mode: prefill parity at prompt lengths L,.. (single pass against chunked).")
+@click.option("--prefill-chunk", help="The chunk sizes C,.. of --prefill.")
+@click.option("--swap", is_flag=True, help="Mode: spill the sequence halfway, free, re-allocate, restore, continue.")
+@click.option("--forwards", help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}].")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the summary.")
+@serve_options
+@click.pass_context
+@user_errors
+def diff(ctx, checkpoint, dtype, steps, n_prompts, out, batch, fragment_slots, verify, mtp, verify_batch,
+         verify_batch_ks, prefill, prefill_chunk, swap, forwards, as_json, **serve):
+    """Run the engine's reference forward (xla), replay its exact inputs under every other
+    forward (xla-repeat, pallas), and compare every step's logits (and drafter output, and
+    state) byte for byte, with a detection control. Modes: default (decode), --batch,
+    --verify, --verify-batch, --prefill, --swap. Exit 1 on FAIL."""
+    request = DiffRequest(
+        steps=steps, prompts=n_prompts, batch=_ints("--batch", batch), fragment_slots=fragment_slots,
+        verify=_ints("--verify", verify), mtp=mtp, verify_batch=_ints("--verify-batch", verify_batch),
+        verify_batch_ks=_ints("--verify-batch-ks", verify_batch_ks), prefill=_ints("--prefill", prefill),
+        prefill_chunk=_ints("--prefill-chunk", prefill_chunk), swap=swap,
+    )
+    request.check()
+    names = None if forwards is None else [f.strip() for f in forwards.split(",") if f.strip()]
+    unknown = sorted(set(names or ()) - set(known_labels()))
+    if unknown:
+        raise UsageError(f"--forwards: unknown {', '.join(unknown)} (choose from {', '.join(known_labels())})")
+    raw = pop_serve_raw(ctx, serve)
+    cfg, params = resolve_checkpoint(checkpoint, dtype)
+    settings = _settings(checkpoint, raw, request)
+    try:
+        engine = Engine(cfg, params, settings)
+    except EngineError as e:
+        raise UsageError(str(e)) from None
+    variants, unavailable = default_variants(names)
+    try:
+        report = run_diff(engine, request, variants, unavailable, progress=Bar())
+    except EngineError as e:
+        raise UsageError(f"the engine refused a step of this diff: {e}") from None
+    report = {"checkpoint": checkpoint, **report}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    text = to_json(report)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    click.echo(text if as_json else render_summary(report), nl=False)
+    if report["verdict"] != "PASS":
+        ctx.exit(1)

@@ -1,0 +1,338 @@
+"""What a diff run records, and the one comparison of a replay against the reference.
+
+Owns: `Part` (one named array a run produced), `Run` (a run's prefill parts, its per-step parts
+and its timings), `Contract` (what a variant promises: bit-identical, or bounded by a declared
+relative tolerance with every argmax equal), `diff_part` (one part pair, element by element)
+and `compare` (a whole run against the reference, step by step).
+
+Invariants:
+- Byte equality is judged on the raw bytes; values, hex, ULP distance and |Δ| only describe a
+  difference, they never excuse one under the bit-identical contract.
+- A bounded contract fails on any element past its tolerance, on any logits row whose argmax
+  differs, and on any differing token; the tolerance is `max(rtol, 2 eps(dtype))` times the
+  largest finite |value| of the reference part, so storage rounding (fp8 KV) is never past it.
+- Structural differences (part names, shapes, dtypes, step counts) are violations of every
+  contract.
+- Argmax ties go to the lowest index (numpy's rule, as the engine's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Union
+
+import ml_dtypes
+import numpy as np
+
+KINDS = ("logits", "values", "tokens")
+Step = Union[int, str]  # a step index, or "prefill"
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One array a run produced. kind: `logits` ([rows, vocab] float: argmax per row matters),
+    `values` (any float array: states, confidences) or `tokens` (integers: drafts)."""
+
+    name: str
+    data: np.ndarray
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"part {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+
+
+@dataclasses.dataclass
+class Run:
+    """One run: the parts after the prefill, the parts after each step, and per-step wall times
+    (`enqueue_ms`: the forward call alone; `step_ms`: the whole step, verdict and propose
+    included)."""
+
+    prefill: list[Part]
+    steps: list[list[Part]] = dataclasses.field(default_factory=list)
+    enqueue_ms: list[float] = dataclasses.field(default_factory=list)
+    step_ms: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """What a variant promises against the reference: bit-identical (`rtol` None) or bounded."""
+
+    rtol: Optional[float] = None
+    reason: str = ""
+
+    @property
+    def bounded(self) -> bool:
+        return self.rtol is not None
+
+    def describe(self) -> str:
+        if not self.bounded:
+            return "bit-identical"
+        return f"bounded: |Δ| ≤ max({self.rtol:g}, 2 eps)·max|ref| per part, argmax equal ({self.reason})"
+
+    def tolerance(self, ref: np.ndarray, dtype) -> float:
+        """The largest |Δ| allowed for an element of a float part of storage `dtype` whose
+        reference values (as float64) are `ref`."""
+        finite = ref[np.isfinite(ref)]
+        scale = float(np.abs(finite).max()) if finite.size else 0.0
+        return max(self.rtol or 0.0, 2 * float(ml_dtypes.finfo(dtype).eps)) * scale
+
+
+BIT_IDENTICAL = Contract()
+
+
+def bounded(rtol: float, reason: str) -> Contract:
+    return Contract(rtol=rtol, reason=reason)
+
+
+def combine(a: Contract, b: Contract) -> Contract:
+    """The contract of a run that differs from the reference in both a's and b's way."""
+    if not a.bounded:
+        return b
+    if not b.bounded:
+        return a
+    return bounded(max(a.rtol, b.rtol), f"{a.reason}; {b.reason}")
+
+
+@dataclasses.dataclass
+class PartDiff:
+    """How one part differs. `first`: the first differing element; `violation`: the first
+    contract violation (None: the part keeps its contract); `bad_rows`: per row (axis 0),
+    whether it violates the contract."""
+
+    differing_bytes: int = 0
+    max_abs: float = 0.0
+    max_ulp: Optional[int] = None
+    argmax_equal: bool = True
+    first: Optional[dict] = None
+    violation: Optional[dict] = None
+    bad_rows: Optional[np.ndarray] = None
+
+
+def _unsigned(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def _ordered(u: np.ndarray, itemsize: int) -> np.ndarray:
+    """Sign-magnitude float bits as integers ordered like the values (ULP steps apart)."""
+    sign = np.uint64(1) << np.uint64(8 * itemsize - 1)
+    u = u.astype(np.uint64)
+    mag = (u & ~sign).astype(np.int64)
+    return np.where(u & sign, -mag, mag)
+
+
+def _hex(u) -> str:
+    return f"0x{int(u):0{2 * u.dtype.itemsize}x}"
+
+
+def _rows2d(a: np.ndarray) -> np.ndarray:
+    return a.reshape(a.shape[0] if a.ndim else 1, -1)
+
+
+def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
+    """Compare one part pair element by element under `contract` (see the module invariants)."""
+    a, b = ref.data, got.data
+    if (ref.name, ref.kind, a.shape, a.dtype) != (got.name, got.kind, b.shape, b.dtype):
+        where = {"part": ref.name, "note": f"{ref.name} {a.shape} {a.dtype} vs {got.name} {b.shape} {b.dtype}"}
+        rows = max(_rows2d(a).shape[0], _rows2d(b).shape[0])
+        return PartDiff(max(a.nbytes, b.nbytes), float("inf"), None, False, where, where, np.ones(rows, bool))
+    a2, b2 = _rows2d(a), _rows2d(b)
+    ua, ub = _unsigned(a2), _unsigned(b2)
+    neq = ua != ub
+    out = PartDiff(bad_rows=np.zeros(a2.shape[0], bool))
+    if not neq.any():
+        return out
+    out.differing_bytes = int((_unsigned(a).view(np.uint8) != _unsigned(b).view(np.uint8)).sum())
+    ints = ref.kind == "tokens"
+    fa, fb = a2.astype(np.float64), b2.astype(np.float64)
+    absd = np.abs(fa - fb)
+    absd[neq & ~np.isfinite(absd)] = np.inf
+    absd[~neq] = 0.0
+    out.max_abs = float(absd.max())
+    ulp = None if ints else np.abs(_ordered(ua, a.dtype.itemsize) - _ordered(ub, a.dtype.itemsize))
+    if ulp is not None:
+        out.max_ulp = int(ulp.max())
+    am_a = am_b = None
+    if ref.kind == "logits":
+        am_a, am_b = fa.argmax(axis=1), fb.argmax(axis=1)
+        out.argmax_equal = bool((am_a == am_b).all())
+    else:
+        out.argmax_equal = not ints
+
+    def where(r: int, c: int, why: str) -> dict:
+        d = {
+            "part": ref.name, "row": r, "index": c,
+            "reference": a2[r, c].item() if ints else float(fa[r, c]),
+            "replay": b2[r, c].item() if ints else float(fb[r, c]),
+            "reference_hex": _hex(ua[r, c]), "replay_hex": _hex(ub[r, c]),
+            "ulp": None if ulp is None else int(ulp[r, c]), "abs_diff": float(absd[r, c]),
+            "max_abs_diff": out.max_abs, "why": why,
+        }
+        if am_a is not None:
+            d.update(argmax_reference=int(am_a[r]), argmax_replay=int(am_b[r]), argmax_equal=bool(am_a[r] == am_b[r]))
+        return d
+
+    r0, c0 = (int(x[0]) for x in np.nonzero(neq))
+    out.first = where(r0, c0, "bytes differ")
+    if not contract.bounded or ints:
+        bad = neq
+        why = "bytes differ" if not contract.bounded else "a token differs"
+    else:
+        tol = contract.tolerance(fa, a.dtype)
+        bad = absd > tol
+        why = f"|Δ| > {tol:.3g}"
+    bad_rows = bad.any(axis=1)
+    if am_a is not None and contract.bounded:
+        bad_rows |= am_a != am_b
+    out.bad_rows = bad_rows
+    if bad_rows.any():
+        r = int(np.nonzero(bad_rows)[0][0])
+        if bad[r].any():
+            out.violation = where(r, int(np.nonzero(bad[r])[0][0]), why)
+        else:
+            out.violation = where(r, int(am_b[r]), "argmax differs")
+    return out
+
+
+def diff_parts(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> list[PartDiff]:
+    """`diff_part` over two part lists; a missing or extra part is a structural violation."""
+    out = [diff_part(x, y, contract) for x, y in zip(ref, got)]
+    for p in list(ref[len(got):]) + list(got[len(ref):]):
+        where = {"part": p.name, "note": "present on one side only"}
+        out.append(PartDiff(p.data.nbytes, float("inf"), None, False, where, where, np.ones(1, bool)))
+    return out
+
+
+@dataclasses.dataclass
+class Comparison:
+    """A replay against the reference. Byte-level fields follow the original (`prefill_equal`,
+    `steps`, `mismatched_steps`, `first_mismatch`, `max_mismatched_bytes`); `first_diff` locates
+    the first differing element (step, part, row, vocab index, both values in hex, ULP);
+    `violating_steps` / `first_violation` say where the contract broke; `ok` is the verdict."""
+
+    variant: str
+    contract: str
+    prefill_equal: bool
+    steps: int
+    mismatched_steps: int
+    first_mismatch: Optional[int]
+    max_mismatched_bytes: int
+    max_abs_diff: float
+    max_ulp: Optional[int]
+    argmax_equal: bool
+    first_diff: Optional[dict]
+    violating_steps: list
+    first_violation: Optional[dict]
+    ok: bool
+
+    def mismatched(self, step: Step) -> bool:
+        return step in self.violating_steps
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def compare(variant: str, reference: Run, run: Run, contract: Contract) -> Comparison:
+    """`run` against `reference`: the prefill parts, then every step's parts, under `contract`."""
+    units: list[tuple[Step, list[Part], list[Part]]] = [("prefill", reference.prefill, run.prefill)]
+    units += [(s, a, b) for s, (a, b) in enumerate(zip(reference.steps, run.steps))]
+    per_step_bytes, violating = [], []
+    first_diff = first_violation = None
+    max_abs, max_ulp, argmax_equal, prefill_equal = 0.0, None, True, True
+    for step, a, b in units:
+        diffs = diff_parts(a, b, contract)
+        nbytes = sum(d.differing_bytes for d in diffs)
+        if step == "prefill":
+            prefill_equal = nbytes == 0
+        else:
+            per_step_bytes.append(nbytes)
+        for d in diffs:
+            max_abs = max(max_abs, d.max_abs)
+            if d.max_ulp is not None:
+                max_ulp = max(max_ulp or 0, d.max_ulp)
+            argmax_equal &= d.argmax_equal
+            if first_diff is None and d.first is not None:
+                first_diff = {"step": step, **d.first}
+            if d.violation is not None and first_violation is None:
+                first_violation = {"step": step, **d.violation}
+        if any(d.violation is not None for d in diffs):
+            violating.append(step)
+    if len(reference.steps) != len(run.steps):
+        note = {"step": min(len(reference.steps), len(run.steps)),
+                "note": f"{len(reference.steps)} reference steps, {len(run.steps)} replayed"}
+        violating.append(note["step"])
+        first_violation = first_violation or note
+    mismatched = [s for s, n in enumerate(per_step_bytes) if n]
+    return Comparison(
+        variant=variant,
+        contract=contract.describe(),
+        prefill_equal=prefill_equal,
+        steps=len(per_step_bytes),
+        mismatched_steps=len(mismatched),
+        first_mismatch=mismatched[0] if mismatched else None,
+        max_mismatched_bytes=max(per_step_bytes, default=0),
+        max_abs_diff=max_abs,
+        max_ulp=max_ulp,
+        argmax_equal=argmax_equal,
+        first_diff=first_diff,
+        violating_steps=violating,
+        first_violation=first_violation,
+        ok=not violating,
+    )
+
+
+def saw_difference(c: Comparison) -> bool:
+    """A detection control's pass condition: some byte differed after the prefill."""
+    return c.mismatched_steps > 0
+
+
+def without_rows(run: Run, rows: Sequence[int]) -> Run:
+    """`run` with rows `rows` (axis 0 of every part) left out, prefill and steps alike."""
+    if not rows:
+        return run
+
+    def keep(parts):
+        return [dataclasses.replace(p, data=np.delete(p.data, list(rows), axis=0)) for p in parts]
+
+    return Run(keep(run.prefill), [keep(s) for s in run.steps], run.enqueue_ms, run.step_ms)
+
+
+def median_after_first(xs: Sequence[float]) -> Optional[float]:
+    """The median of xs[1:] (step 0 compiles), upper middle; None with fewer than 2 values."""
+    v = sorted(xs[1:])
+    return v[len(v) // 2] if v else None
+
+
+def timing(variant: str, run: Run) -> dict:
+    return {
+        "variant": variant,
+        "enqueue_ms_median": median_after_first(run.enqueue_ms),
+        "step_ms_median": median_after_first(run.step_ms),
+    }
+
+
+def describe(loc: Optional[dict]) -> str:
+    """One line locating a difference: step, part, row, index, both values (hex), ULP, |Δ|."""
+    if loc is None:
+        return "nowhere"
+    s = loc.get("step")
+    step = "the prefill" if s == "prefill" else s if isinstance(s, str) else f"step {s}"
+    if "note" in loc:
+        return f"{step}: {loc['part'] + ': ' if 'part' in loc else ''}{loc['note']}"
+    text = (f"{step}, {loc['part']} row {loc['row']} index {loc['index']}: {loc['reference']!r} "
+            f"({loc['reference_hex']}) vs {loc['replay']!r} ({loc['replay_hex']})")
+    if loc.get("ulp") is not None:
+        text += f", {loc['ulp']} ULP"
+    text += f", |Δ| {loc['abs_diff']:.3g} (max {loc['max_abs_diff']:.3g})"
+    if "argmax_equal" in loc:
+        text += ", argmax " + ("agrees" if loc["argmax_equal"] else
+                               f"differs ({loc['argmax_reference']} vs {loc['argmax_replay']})")
+    return f"{text} [{loc['why']}]"
+
+
+def failure_line(where: str, c: Comparison) -> str:
+    """The verdict's reason for a comparison that broke its contract."""
+    steps = [s for s in c.violating_steps if s != "prefill"]
+    return (f"{where}, {c.variant} ({c.contract.split(':')[0]}): prefill "
+            f"{'ok' if 'prefill' not in c.violating_steps else 'differs'}, {len(steps)} of {c.steps} "
+            f"steps differ; first at {describe(c.first_violation)}")

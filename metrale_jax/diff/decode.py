@@ -1,0 +1,214 @@
+"""The decode family: the default mode (one sequence per prompt), `--batch` and `--swap`.
+
+Owns: `run_decode`, the one run loop of the family (prefill n prompts one by one, then decode
+them together, optionally spilling and restoring every sequence halfway), and the three mode
+drivers `diff_prompts`, `diff_widths` and `diff_swap`.
+
+Invariants:
+- The reference decodes greedily; every other run is fed the reference's tokens, so all runs
+  decode the same inputs at every row (replays never recompute a token).
+- Controls run under the reference forward with one input changed, and must see a difference.
+- `--batch`: a row whose prefill breaks a variant's contract is left out of that variant's
+  step comparison and reported (`prefill_row_deltas`); more than rows / 8 left out, or the
+  control's row left out, fails the width.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from metrale_jax.diff.compare import (
+    BIT_IDENTICAL, Comparison, Part, Run, compare, describe, diff_part, failure_line, saw_difference,
+    timing, without_rows,
+)
+from metrale_jax.diff.layout import SequenceBatch
+from metrale_jax.diff.progress import Progress
+from metrale_jax.diff.prompts import batch_prompts, prompts
+from metrale_jax.diff.schedule import control_row
+from metrale_jax.diff.state import perturbed, state_parts
+from metrale_jax.diff.variants import REFERENCE, Variant, compare_all, replay_all, selected
+
+
+@dataclasses.dataclass(frozen=True)
+class Spill:
+    """Spill every sequence before step `at`, then restore `restore(own records)`."""
+
+    at: int
+    restore: Callable[[list[dict]], list[dict]] = lambda own: own
+
+
+@dataclasses.dataclass
+class Decoded:
+    """A decode run: each row's fed tokens (steps + 1), the run, and with a spill the saved
+    records and where each sequence moved."""
+
+    tokens: list[list[int]]
+    run: Run
+    records: list[dict] = dataclasses.field(default_factory=list)
+    moves: list[dict] = dataclasses.field(default_factory=list)
+
+
+def run_decode(engine, rows: Sequence[Sequence[int]], steps: int, *, tokens: Optional[list[list[int]]] = None,
+               fragment: bool = False, spill: Optional[Spill] = None, progress: Progress = Progress()) -> Decoded:
+    """Prefill `rows` (one sequence each, batch order), then `steps` `decode_batch` steps.
+    tokens: per row, the steps + 1 tokens to feed (None: greedy from the run's own logits)."""
+    out = Decoded(tokens=[], run=Run(prefill=[]))
+    with SequenceBatch(engine, len(rows), fragment) as batch:
+        first = np.stack([engine.prefill(s, p) for s, p in zip(batch.seqs, rows)])
+        out.run.prefill = [Part("prefill logits", first, "logits")]
+        out.tokens = [[t[0]] for t in tokens] if tokens else [[int(x)] for x in first.argmax(axis=1)]
+        progress.advance()
+        for s in range(steps):
+            if spill is not None and s == spill.at:
+                out.records = [engine.save_sequence_state(q) for q in batch.seqs]
+                out.moves = batch.relocate(spill.restore(out.records), rows[0])
+            t0 = time.perf_counter()
+            logits = engine.decode_batch(batch.seqs, [t[s] for t in out.tokens])
+            t1 = time.perf_counter()
+            for i, t in enumerate(out.tokens):
+                t.append(tokens[i][s + 1] if tokens else int(logits[i].argmax()))
+            out.run.steps.append([Part("logits", logits, "logits")])
+            out.run.enqueue_ms.append((t1 - t0) * 1e3)
+            out.run.step_ms.append((time.perf_counter() - t0) * 1e3)
+            progress.advance()
+    return out
+
+
+def _changed(tokens: list[list[int]], row: int, at: int, vocab: int) -> list[list[int]]:
+    """`tokens` with row `row`'s input at step `at` bumped by one."""
+    out = copy.deepcopy(tokens)
+    out[row][at] = (out[row][at] + 1) % vocab
+    return out
+
+
+def diff_prompts(engine, variants: Sequence[Variant], *, n_prompts: int, steps: int, progress: Progress):
+    """Default mode. Returns (report fields, reasons)."""
+    vocab = engine.cfg.vocab_size
+    sections, reasons, control = [], [], None
+    for p, prompt in enumerate(prompts(n_prompts, vocab)):
+        progress.section(f"prompt {p}", (len(variants) + 1 + (p == 0)) * (steps + 1))
+        ref = run_decode(engine, [prompt], steps, progress=progress)
+        runs = replay_all(engine, variants, lambda: run_decode(engine, [prompt], steps, tokens=ref.tokens, progress=progress).run)
+        comparisons, timings = compare_all(variants, ref.run, runs)
+        reasons += [failure_line(f"prompt {p}", c) for c in comparisons if not c.ok]
+        sections.append({"tokens": len(prompt), "comparisons": [c.to_json() for c in comparisons], "timings": timings})
+        if p == 0:
+            at = steps // 2
+            r = run_decode(engine, [prompt], steps, tokens=_changed(ref.tokens, 0, at, vocab), progress=progress)
+            control = compare(f"{REFERENCE}, token changed at step {at}", ref.run, r.run, BIT_IDENTICAL)
+            if not saw_difference(control):
+                reasons.append("the detection control saw no difference after changing a token")
+    return {"prompts": sections, "detection_control": control.to_json()}, reasons
+
+
+def diff_widths(engine, variants: Sequence[Variant], *, widths: Sequence[int], fragment: bool, steps: int,
+                progress: Progress):
+    """`--batch`. Returns (report fields, reasons)."""
+    vocab = engine.cfg.vocab_size
+    sections, reasons = [], []
+    for n in widths:
+        progress.section(f"batch n={n}", (len(variants) + 2) * (steps + 1))
+        rows = batch_prompts(n, vocab)
+        ref = run_decode(engine, rows, steps, fragment=fragment, progress=progress)
+        runs = replay_all(engine, variants,
+                          lambda: run_decode(engine, rows, steps, tokens=ref.tokens, fragment=fragment, progress=progress).run)
+        left_out = [_left_out(ref.run, r, v.contract) for v, r in zip(variants, runs)]
+        comparisons = [compare(v.label, without_rows(ref.run, skip), without_rows(r, skip), v.contract)
+                       for v, r, skip in zip(variants, runs, left_out)]
+        row = control_row(n, sorted({i for skip in left_out for i in skip}))
+        at = steps // 2
+        r = run_decode(engine, rows, steps, tokens=_changed(ref.tokens, row, at, vocab), fragment=fragment, progress=progress)
+        control_skip = _left_out(ref.run, r.run, BIT_IDENTICAL)
+        control = compare(f"{REFERENCE}, row {row}'s token changed at step {at}",
+                          without_rows(ref.run, control_skip), without_rows(r.run, control_skip), BIT_IDENTICAL)
+        left_out.append(control_skip)
+        deltas = [_row_deltas(ref.run, run, skip) for run, skip in zip(runs + [r.run], left_out)]
+        where = f"batch n={n}"
+        for label, skip in zip([v.label for v in variants] + ["the control"], left_out):
+            if len(skip) * 8 > n:
+                reasons.append(f"{where}, {label}: {len(skip)} of {n} rows left out for a differing prefill")
+        if row in control_skip:
+            reasons.append(f"{where}: the detection control's changed row {row} was left out")
+        reasons += [failure_line(where, c) for c in comparisons if not c.ok]
+        if not saw_difference(control):
+            reasons.append(f"{where}: the detection control saw no difference after changing a token")
+        sections.append({
+            "rows": n, "changed_row": row, "comparisons": [c.to_json() for c in comparisons],
+            "prefill_rows_differ": left_out, "prefill_row_deltas": deltas,
+            "timings": [timing(REFERENCE, ref.run)] + [timing(v.label, x) for v, x in zip(variants, runs)],
+            "detection_control": control.to_json(),
+        })
+    return {"fragment_slots": fragment, "widths": sections}, reasons
+
+
+def _left_out(reference: Run, run: Run, contract) -> list[int]:
+    """Rows whose prefill logits break `contract`."""
+    return [int(i) for i in np.nonzero(diff_part(reference.prefill[0], run.prefill[0], contract).bad_rows)[0]]
+
+
+def _row_deltas(reference: Run, run: Run, rows: Sequence[int]) -> list[dict]:
+    """{row, bytes, max_abs, argmax_equal} of each left-out row's prefill logits."""
+    out = []
+    for i in rows:
+        a, b = (Part("prefill logits", x.prefill[0].data[i:i + 1], "logits") for x in (reference, run))
+        d = diff_part(a, b, BIT_IDENTICAL)
+        out.append({"row": i, "bytes": d.differing_bytes, "max_abs": d.max_abs, "argmax_equal": d.argmax_equal})
+    return out
+
+
+def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Progress):
+    """`--swap`. Returns (report fields, reasons)."""
+    prompt = prompts(1, engine.cfg.vocab_size)[0]
+    at = steps // 2
+    last = variants[-1]
+    progress.section("swap", (len(variants) + 4) * (steps + 1))
+    ref = run_decode(engine, [prompt], steps, spill=Spill(at), progress=progress)
+    ref_record = state_parts(engine.cfg, ref.records[0])
+
+    def spilled(restore=Spill(at).restore):
+        return run_decode(engine, [prompt], steps, tokens=ref.tokens, spill=Spill(at, restore), progress=progress)
+
+    runs = [(v.label, v.contract, r) for v, r in zip(variants, replay_all(engine, variants, spilled))]
+    with selected(engine, last.forward):
+        runs.append((f"{last.label}, {REFERENCE}'s record", last.contract, spilled(lambda own: ref.records)))
+    changed, where = perturbed(ref.records[0])
+    controls = []
+    for label, forward in [(REFERENCE, REFERENCE), (last.label, last.forward)]:
+        with selected(engine, forward):
+            controls.append((f"{label}, record changed ({where})", BIT_IDENTICAL, spilled(lambda own: [changed])))
+    comparisons = [_swap_comparison(engine.cfg, label, ref, ref_record, r, c, at) for label, c, r in runs]
+    control_rows = [_swap_comparison(engine.cfg, label, ref, ref_record, r, c, at) for label, c, r in controls]
+    reasons = [f"swap, {c['variant']}: record {'ok' if c['record_ok'] else 'differs'}, steps before the spill "
+               f"{'ok' if c['steps_before_ok'] else 'differ'}, after {'ok' if c['steps_after_ok'] else 'differ'}; "
+               f"first at {describe(c['comparison']['first_violation'] or c['record_first_violation'])}"
+               for c in comparisons if not (c["record_ok"] and c["steps_before_ok"] and c["steps_after_ok"])]
+    reasons += [f"swap control `{c['variant']}` saw no difference after the spill"
+                for c in control_rows if not c["saw_difference_after"]]
+    return {"prompt_tokens": len(prompt), "spill_before_step": at, "moves": ref.moves,
+            "timings": [timing(REFERENCE, ref.run)] + [timing(label, r.run) for label, _, r in runs[:-1]],
+            "comparisons": comparisons, "controls": control_rows}, reasons
+
+
+def _swap_comparison(cfg, label: str, ref: Decoded, ref_record: list[Part], run: Decoded, contract, at: int) -> dict:
+    """A spilled run against the reference: its record, then its steps before and after."""
+    record = [diff_part(a, b, contract) for a, b in zip(ref_record, state_parts(cfg, run.records[0]))]
+    bad = next((d.violation for d in record if d.violation), None)
+    c: Comparison = compare(label, ref.run, run.run, contract)
+    steps = [s for s in c.violating_steps if s != "prefill"]
+    return {
+        "variant": label,
+        "record_equal": not any(d.differing_bytes for d in record),
+        "record_ok": bad is None,
+        "record_first_violation": None if bad is None else {"step": f"the record saved before step {at}", **bad},
+        "record_bytes": sum(p.data.nbytes for p in ref_record),
+        "steps_before_ok": all(s >= at for s in steps) and "prefill" not in c.violating_steps,
+        "steps_after_ok": all(s < at for s in steps),
+        "saw_difference_after": any(s >= at for s in steps),
+        "first_mismatch": c.first_mismatch,
+        "comparison": c.to_json(),
+    }

@@ -1,0 +1,73 @@
+"""The slot layout of a diff run: sequences allocated in batch order, freed in reverse.
+
+Owns: `SequenceBatch`, the context manager every run loop allocates through. With `fragment`
+it holds a spare slot before sequence n // 2; `relocate` is the swap's spill and restore.
+
+Invariants:
+- The engine's slot free list is a stack, so freeing in reverse allocation order hands the next
+  run the same slots in the same order: every run of a diff sees one slot layout.
+- Sequence i sits on `schedule.slot_of(i, n, fragment)`; anything else means another live
+  sequence shares the engine, and the run refuses to start (`LayoutError`).
+- Every sequence (spare and spacer included) is freed on exit, also when the run raises.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from metrale_jax.diff.schedule import slot_of
+
+
+class LayoutError(RuntimeError):
+    """The engine's slots are not where a diff run needs them (another sequence is live)."""
+
+
+class SequenceBatch:
+    """`n` sequences of `engine` for one run; `seqs` in batch order (see the module docstring)."""
+
+    def __init__(self, engine, n: int, fragment: bool = False):
+        self.engine, self.n, self.fragment = engine, n, fragment
+        self.seqs: list = []
+        self._allocated: list = []
+
+    def _alloc(self):
+        seq = self.engine.alloc_sequence()
+        self._allocated.append(seq)
+        return seq
+
+    def __enter__(self) -> "SequenceBatch":
+        try:
+            for i in range(self.n):
+                if self.fragment and i == self.n // 2:
+                    self._alloc()
+                seq = self._alloc()
+                if seq.slot != slot_of(i, self.n, self.fragment):
+                    raise LayoutError(
+                        f"sequence {i} took slot {seq.slot}, not {slot_of(i, self.n, self.fragment)}: "
+                        "another sequence is live on this engine")
+                self.seqs.append(seq)
+        except BaseException:
+            self._free_all()
+            raise
+        return self
+
+    def _free_all(self) -> None:
+        while self._allocated:
+            self.engine.free_sequence(self._allocated.pop())
+
+    def __exit__(self, *exc) -> None:
+        self._free_all()
+
+    def relocate(self, records: Sequence[dict], spacer_prompt: Sequence[int]) -> list[dict]:
+        """Spill and restore: free every sequence, let a spacer sequence (prefilled with
+        `spacer_prompt`) take the first freed slot and KV blocks, then restore `records[i]`
+        into a new sequence i, which therefore lands on another slot and other blocks.
+        Returns, per sequence, where it moved: {slot: [old, new], blocks: [old, new]}."""
+        old = [(s.slot, list(s.blocks)) for s in self.seqs]
+        self._free_all()
+        spacer = self._alloc()
+        self.engine.prefill(spacer, spacer_prompt)
+        self.seqs = [self._alloc() for _ in old]
+        for seq, rec in zip(self.seqs, records):
+            self.engine.restore_sequence_state(seq, rec)
+        return [{"slot": [o[0], s.slot], "blocks": [o[1], list(s.blocks)]} for o, s in zip(old, self.seqs)]

@@ -1,0 +1,108 @@
+"""The prefill family: `--prefill L,.. [--prefill-chunk C,..]`, single pass against chunked.
+
+Owns: `run_prefill` (one fresh sequence prefilled along one path: its last-position logits and
+its state as per-layer parts) and the driver `diff_prefill`.
+
+Paths: `single` (the serve's prefill chunk, one pass for any L up to it) and `chunk C` (the
+prompt fed C tokens at a time). The reference is `xla` single; every other (forward, path)
+pair is compared with it: last-position logits, then every layer's state (GDN h and conv
+window, attention K and V at live positions, the MTP head's stash and KV); `state_diff` names
+the first layer whose state bytes differ.
+
+Invariants:
+- A path that splits the prompt like the reference's does is bit-identical to it under a
+  bit-identical forward; one that splits it otherwise runs other program shapes and another
+  GDN chunking, so it is declared bounded (`CHUNK_RTOL`).
+- The control prefills the longest prompt with its middle token changed (reference forward,
+  single pass); its logits must differ.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, bounded, combine, compare, diff_parts, failure_line
+from metrale_jax.diff.layout import SequenceBatch
+from metrale_jax.diff.progress import Progress
+from metrale_jax.diff.prompts import prompt_of_len
+from metrale_jax.diff.state import digests, state_parts
+from metrale_jax.diff.variants import REFERENCE, Variant, selected
+
+#: The declared bound of a chunked prefill against a single pass (f32 model).
+CHUNK_RTOL = 1e-3
+
+
+def run_prefill(engine, prompt: Sequence[int], chunk: Optional[int]) -> tuple[Run, float]:
+    """Prefill `prompt` into a fresh sequence `chunk` tokens at a time (None: the serve's
+    chunk). Returns (run with the logits and state parts as its prefill, prefill ms)."""
+    with SequenceBatch(engine, 1) as batch:
+        t0 = time.perf_counter()
+        logits = engine.prefill(batch.seqs[0], prompt, chunk)
+        ms = (time.perf_counter() - t0) * 1e3
+        record = engine.save_sequence_state(batch.seqs[0])
+    return Run(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), ms
+
+
+def _splits(length: int, chunk: Optional[int], cap: int) -> tuple[int, ...]:
+    """The chunk lengths a prefill of `length` tokens runs (the engine caps chunks at `cap`)."""
+    c = min(chunk or cap, cap)
+    return tuple(min(c, length - o) for o in range(0, length, c))
+
+
+def _first_state_diff(reference: Run, run: Run) -> Optional[str]:
+    """The first state part (model layer order) whose bytes differ, or None."""
+    states = [p for p in reference.prefill if p.name != "logits"]
+    diffs = diff_parts(states, [p for p in run.prefill if p.name != "logits"], BIT_IDENTICAL)
+    return next((p.name for p, d in zip(states, diffs) if d.differing_bytes), None)
+
+
+def _outputs(run: Run) -> Run:
+    """`run` without its input tokens, so a control is judged on what the model computed."""
+    return Run(prefill=[p for p in run.prefill if p.name != "tokens"])
+
+
+def diff_prefill(engine, variants: Sequence[Variant], *, lengths: Sequence[int], chunks: Sequence[int],
+                 progress: Progress):
+    """`--prefill`. Returns (report fields, reasons)."""
+    vocab, cap = engine.cfg.vocab_size, engine.counts.prefill_chunk
+    forwards = [Variant(REFERENCE, REFERENCE)] + list(variants)
+    paths = [("single", None)] + [(f"chunk {c}", c) for c in chunks]
+    chunked = bounded(CHUNK_RTOL, "another chunking: other program shapes and GDN chunk boundaries")
+    sections, reasons, refs = [], [], {}
+    for length in lengths:
+        prompt = prompt_of_len(length, vocab)
+        progress.section(f"prefill L={length}", len(forwards) * len(paths))
+        ref, ref_ms = run_prefill(engine, prompt, None)
+        refs[length] = ref
+        progress.advance()
+        comparisons, timings = [], [{"variant": f"{REFERENCE}, single", "prefill_ms": ref_ms}]
+        for v in forwards:
+            for name, chunk in paths:
+                if v.forward == REFERENCE and v.label == REFERENCE and chunk is None:
+                    continue
+                same_split = _splits(length, chunk, cap) == _splits(length, None, cap)
+                contract = combine(v.contract, BIT_IDENTICAL if same_split else chunked)
+                with selected(engine, v.forward):
+                    run, ms = run_prefill(engine, prompt, chunk)
+                progress.advance()
+                label = f"{v.label}, {name}"
+                c = compare(label, ref, run, contract)
+                comparisons.append({"path": name, "forward": v.forward, **c.to_json(),
+                                    "state_diff": _first_state_diff(ref, run)})
+                timings.append({"variant": label, "prefill_ms": ms})
+                if not c.ok:
+                    reasons.append(failure_line(f"prefill L={length}", c))
+        sections.append({"tokens": length, "reference_state_digest": digests(ref.prefill[1:]),
+                         "comparisons": comparisons, "timings": timings})
+    longest = max(lengths)
+    prompt = prompt_of_len(longest, vocab)
+    prompt[longest // 2] = (prompt[longest // 2] + 1) % vocab
+    changed, _ = run_prefill(engine, prompt, None)
+    control = compare(f"{REFERENCE}, single, token {longest // 2} of {longest} changed",
+                      _outputs(refs[longest]), _outputs(changed), BIT_IDENTICAL)
+    if control.prefill_equal:
+        reasons.append("the prefill detection control saw no difference after changing a token")
+    return {"lengths": sections, "detection_control": control.to_json()}, reasons

@@ -1,0 +1,121 @@
+"""A diff report as JSON, and as the short human summary the command prints.
+
+Owns: `to_json` (strict JSON: numpy scalars become Python numbers, non-finite floats the
+strings "nan", "inf", "-inf") and `render_summary` (one table per prompt / width / shape /
+length: variant, contract, prefill, mismatched steps, first mismatch, max |Δ|; the control;
+the accept histogram; then the verdict and its reasons).
+
+Invariant: the summary is derived from the report alone, so `--json` and the summary never
+disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(_plain(report), indent=2, allow_nan=False) + "\n"
+
+
+def _where(loc: Optional[dict]) -> str:
+    """A table cell locating a difference: step, part, row and index."""
+    if loc is None:
+        return "-"
+    step = "prefill" if loc.get("step") == "prefill" else f"step {loc.get('step')}"
+    if "row" not in loc:
+        return f"{step}: {loc.get('note', '')}"
+    return f"{step} {loc['part']} [{loc['row']}, {loc['index']}]"
+
+
+def _contract(text: str) -> str:
+    if text.startswith("bounded"):
+        return "bounded " + text.split("max(")[1].split(",")[0]
+    return text
+
+
+def _table(comparisons: list[dict]) -> list[str]:
+    head = ("variant", "contract", "prefill", "mismatched", "first mismatch", "max |Δ|", "")
+    rows = [head]
+    for c in comparisons:
+        rows.append((
+            c["variant"], _contract(c["contract"]),
+            "equal" if c["prefill_equal"] else ("within" if "prefill" not in c["violating_steps"] else "DIFFERS"),
+            f"{c['mismatched_steps']}/{c['steps']}", _where(c["first_diff"]), f"{c['max_abs_diff']:.3g}",
+            "ok" if c["ok"] else "FAIL",
+        ))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+    return ["  " + "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _control(c: Optional[dict]) -> list[str]:
+    if c is None:
+        return []
+    seen = c["mismatched_steps"] > 0 or not c["prefill_equal"]
+    return [f"  control: {c['variant']}: {c['mismatched_steps']}/{c['steps']} steps differ, first at "
+            f"{_where(c['first_diff'])} -> {'fired' if seen else 'BLIND'}"]
+
+
+def _sections(report: dict) -> list[tuple[str, list[dict], Optional[dict], list[str]]]:
+    """(title, comparisons, control, extra lines) per table."""
+    mode = report["mode"]
+    out = []
+    if mode == "default":
+        out = [(f"prompt {i} ({p['tokens']} tokens)", p["comparisons"], None, []) for i, p in enumerate(report["prompts"])]
+    elif mode == "batch":
+        out = [(f"batch n={w['rows']}", w["comparisons"], w["detection_control"],
+                [f"  left out (prefill differs): {w['prefill_rows_differ']}"] if any(w["prefill_rows_differ"]) else [])
+               for w in report["widths"]]
+    elif mode in ("verify", "verify-batch"):
+        for s in report["verify" if mode == "verify" else "shapes"]:
+            hist = " ".join(f"{a}:{n}" for a, n in s["accept_histogram"].items())
+            out.append((f"{mode} n={s['rows']} ks={s['ks']}", s["comparisons"], s["detection_control"],
+                        [f"  accepted drafts histogram: {hist} ({s['full_accepts']} full, "
+                         f"{s['partial_accepts']} partial)"]))
+    elif mode == "prefill":
+        out = [(f"prefill L={s['tokens']}", s["comparisons"], None,
+                [f"  first differing state: {c['variant']}: {c['state_diff']}" for c in s["comparisons"] if c["state_diff"]])
+               for s in report["lengths"]]
+    else:
+        moves = "; ".join(f"slot {m['slot'][0]}->{m['slot'][1]}" for m in report["moves"])
+        extra = [f"  {c['variant']}: record {'equal' if c['record_equal'] else ('within' if c['record_ok'] else 'DIFFERS')}"
+                 for c in report["comparisons"]]
+        extra += [f"  control {c['variant']}: {'fired' if c['saw_difference_after'] else 'BLIND'}" for c in report["controls"]]
+        out = [(f"swap before step {report['spill_before_step']} ({moves})",
+                [c["comparison"] for c in report["comparisons"]], None, extra)]
+    if "detection_control" in report and mode in ("default", "prefill"):
+        title, comps, _, extra = out[-1]
+        out[-1] = (title, comps, report["detection_control"], extra)
+    return out
+
+
+def render_summary(report: dict) -> str:
+    """The human summary of `report` (see the module docstring)."""
+    variants = ", ".join(v["name"] + ("" if v.get("available", True) else " (unavailable)") for v in report["variants"])
+    lines = [f"metrale-jax diff: {report['mode']}, {report['steps']} steps, {report['graphs']}; variants: {variants}"]
+    lines += [f"  unavailable: {v['name']}: {v['reason']}" for v in report["variants"] if not v.get("available", True)]
+    for w in report.get("drafter_warmup", []):
+        if w["discarded_run"]:
+            lines.append(f"  drafter: the first two proposes of n={w['rows']} differed; one run was discarded")
+    for title, comparisons, control, extra in _sections(report):
+        lines += ["", title] + _table(comparisons) + _control(control) + extra
+    lines += ["", f"verdict: {report['verdict']} ({report['wall_s']:.1f} s)"]
+    lines += [f"  - {r}" for r in report["reasons"]]
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,117 @@
+"""What a diff is asked to do, whether it can be done, and what engine it needs.
+
+Owns: `DiffRequest` (the mode and its parameters, as the command's flags give them),
+`DiffRequestError` (a request that cannot run: one clear line, a user error), the checks of a
+request alone (`check`) and against an engine (`check_engine`), and the sizing a command uses
+when the user leaves the context and slot counts to it (`tokens_needed`, `slots_needed`).
+
+Invariants:
+- Every refusal happens before the first engine call, with one message naming the flag.
+- Sizing covers the longest sequence any run of the request reaches (prompt, every verified
+  row, the propose's chained rows, the swap's spacer) and every slot it holds at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODES = ("default", "batch", "verify", "verify-batch", "prefill", "swap")
+K_RANGE = (2, 4)
+
+
+class DiffRequestError(ValueError):
+    """A diff request that cannot run (bad flag combination, or an engine that cannot serve it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffRequest:
+    """The flags of one diff. Exactly one mode is set (none: the default mode)."""
+
+    steps: int
+    prompts: int = 1
+    batch: tuple[int, ...] = ()
+    fragment_slots: bool = False
+    verify: tuple[int, ...] = ()
+    mtp: bool = False
+    verify_batch: tuple[int, ...] = ()
+    verify_batch_ks: tuple[int, ...] = ()
+    prefill: tuple[int, ...] = ()
+    prefill_chunk: tuple[int, ...] = ()
+    swap: bool = False
+
+    @property
+    def mode(self) -> str:
+        given = [m for m, on in (("batch", self.batch), ("verify", self.verify), ("verify-batch", self.verify_batch),
+                                 ("prefill", self.prefill), ("swap", self.swap)) if on]
+        return given[0] if len(given) == 1 else "default"
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The verify widths asked for (either verify mode)."""
+        return self.verify or self.verify_batch_ks
+
+    def check(self) -> None:
+        """Refuse a request that is wrong whatever the engine (DiffRequestError)."""
+        given = [f for f, on in (("--batch", self.batch), ("--verify", self.verify),
+                                 ("--verify-batch", self.verify_batch), ("--prefill", self.prefill),
+                                 ("--swap", self.swap)) if on]
+        problems = [
+            (len(given) > 1, f"{' and '.join(given)} are separate diffs: give one mode"),
+            (self.steps < 2, f"--steps must be at least 2, got {self.steps}"),
+            (self.prompts < 1, f"--prompts must be at least 1, got {self.prompts}"),
+            (bool(self.verify_batch) != bool(self.verify_batch_ks),
+             "--verify-batch and --verify-batch-ks need each other"),
+            (self.mtp and not (self.verify or self.verify_batch),
+             "--mtp runs the drafter of --verify or --verify-batch; give one of them"),
+            (self.fragment_slots and not (self.batch or self.verify_batch),
+             "--fragment-slots applies to --batch or --verify-batch"),
+            (bool(self.prefill_chunk) and not self.prefill, "--prefill-chunk needs --prefill"),
+            (self.swap and self.steps < 4, f"--swap needs at least 4 steps (two each side of the spill), got {self.steps}"),
+        ]
+        problems += [(n < 2, f"{flag} width {n}: a batch is at least 2 sequences")
+                     for flag, ns in (("--batch", self.batch), ("--verify-batch", self.verify_batch)) for n in ns]
+        problems += [(not K_RANGE[0] <= k <= K_RANGE[1], f"{flag} {k}: K must be in {K_RANGE[0]}..{K_RANGE[1]}")
+                     for flag, ks in (("--verify", self.verify), ("--verify-batch-ks", self.verify_batch_ks)) for k in ks]
+        problems += [(x < 1, f"{flag} {x}: must be at least 1")
+                     for flag, xs in (("--prefill", self.prefill), ("--prefill-chunk", self.prefill_chunk)) for x in xs]
+        for bad, message in problems:
+            if bad:
+                raise DiffRequestError(message)
+
+    def slots_needed(self) -> int:
+        """Sequence slots the request holds at once (a swap holds a spacer and the restored)."""
+        widest = max(self.batch or self.verify_batch or (1,))
+        return {"swap": 2}.get(self.mode, widest + int(self.fragment_slots))
+
+    def tokens_needed(self, num_drafts: int) -> int:
+        """The longest sequence (in tokens, the KV block the next token opens included) any run
+        of the request reaches with `num_drafts` drafts per propose."""
+        widest = max(self.batch or self.verify_batch or (1,))
+        batch_prompt = 12 + 7 * min(widest - 1, 15)
+        single_prompt = 23 + 41 * (self.prompts - 1 if self.mode == "default" else 0)
+        prompt = batch_prompt if self.batch or self.verify_batch else single_prompt
+        if self.prefill:
+            return max(self.prefill) + 2
+        if self.ks:
+            return prompt + self.steps * max(self.ks) + num_drafts + 3
+        return prompt + self.steps + 2
+
+    def check_engine(self, engine) -> None:
+        """Refuse a request this engine cannot serve (DiffRequestError)."""
+        s = engine.settings
+        mode_flag, ks_flag = ("--verify", "--verify") if self.verify else ("--verify-batch", "--verify-batch-ks")
+        k_top = max(self.ks, default=0)
+        problems = [
+            (bool(self.ks) and not s.speculative, f"{mode_flag} verifies drafts: it needs --speculative"),
+            (k_top - 1 > s.num_drafts, f"{ks_flag} {k_top} needs --num-drafts >= {k_top - 1} (got {s.num_drafts})"),
+            (self.mtp and not engine.drafter, "--mtp needs a checkpoint with an MTP layer and --speculative"),
+            (self.slots_needed() > s.max_batch_size,
+             f"this diff holds {self.slots_needed()} sequences at once: it needs --max-batch-size >= "
+             f"{self.slots_needed()} (got {s.max_batch_size})"),
+            (self.tokens_needed(s.num_drafts) > s.max_seq_len,
+             f"this diff reaches {self.tokens_needed(s.num_drafts)} tokens: it needs --max-seq-len >= "
+             f"{self.tokens_needed(s.num_drafts)} (got {s.max_seq_len})"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise DiffRequestError(message)

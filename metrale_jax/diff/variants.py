@@ -1,0 +1,106 @@
+"""The forwards a diff compares, what each promises, and the replay of all of them.
+
+Owns: `Variant` (report label, engine forward name, contract), the reference (`xla`, the
+original's "legacy"), `default_variants` (`xla-repeat`, then every other forward the engine
+has, each either available or reported unavailable with the reason), `replay_all` /
+`compare_all` (one replay per variant, judged against the reference run) and `disclosed` (what
+each forward compiled).
+
+Invariants:
+- `xla-repeat` runs the reference's own compiled programs, so it is declared bit-identical:
+  any byte it changes is run-to-run nondeterminism.
+- Another forward (`pallas`) reduces in another order than the jnp reference, so it is
+  declared bounded; a bytewise outcome is reported as observed, never promised.
+- Every function leaves the reference forward selected when it returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Iterable, Optional, Sequence
+
+from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
+from metrale_jax.engine.engine import FORWARDS, make_ops
+
+REFERENCE = "xla"
+#: The declared bound of a forward with other kernels (f32 logits; measured ≤ 3e-6 relative
+#: for `pallas` in interpret mode on CPU, so this leaves a wide margin while an indexing or
+#: state bug, which moves logits by O(1), stays far outside it).
+OTHER_FORWARD_RTOL = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """label: the report's name; forward: the name `Engine.set_forward` takes."""
+
+    label: str
+    forward: str
+    contract: Contract = BIT_IDENTICAL
+
+
+def default_variants(names: Optional[Iterable[str]] = None) -> tuple[list[Variant], list[dict]]:
+    """(variants, unavailable): `xla-repeat` and every non-reference engine forward, optionally
+    restricted to the labels in `names`; a forward whose ops cannot be built is reported as
+    {name, reason} instead (e.g. its kernels fail to import)."""
+    wanted = None if names is None else set(names)
+    variants, unavailable = [], []
+    candidates = [Variant("xla-repeat", REFERENCE)] + [
+        Variant(f, f, bounded(OTHER_FORWARD_RTOL, "other kernels, other reduction order"))
+        for f in FORWARDS if f != REFERENCE
+    ]
+    for v in candidates:
+        if wanted is not None and v.label not in wanted:
+            continue
+        try:
+            make_ops(v.forward)
+        except Exception as e:  # an unimportable or unbuildable forward is reported, not fatal
+            unavailable.append({"name": v.label, "reason": f"{type(e).__name__}: {e}"})
+            continue
+        variants.append(v)
+    return variants, unavailable
+
+
+def known_labels() -> list[str]:
+    return ["xla-repeat"] + [f for f in FORWARDS if f != REFERENCE]
+
+
+@contextlib.contextmanager
+def selected(engine, forward: str):
+    """Select `forward` for the block; the reference is selected again afterwards."""
+    engine.set_forward(forward)
+    try:
+        yield
+    finally:
+        engine.set_forward(REFERENCE)
+
+
+def replay_all(engine, variants: Sequence[Variant], replay: Callable[[], Run]) -> list[Run]:
+    """`replay()` once under each variant's forward, in order."""
+    runs = []
+    for v in variants:
+        with selected(engine, v.forward):
+            runs.append(replay())
+    return runs
+
+
+def compare_all(variants: Sequence[Variant], reference: Run, runs: Sequence[Run]) -> tuple[list[Comparison], list[dict]]:
+    """Each variant's run against `reference` under its contract: (comparisons, timings), the
+    reference's timing first."""
+    comparisons = [compare(v.label, reference, r, v.contract) for v, r in zip(variants, runs)]
+    return comparisons, [timing(REFERENCE, reference)] + [timing(v.label, r) for v, r in zip(variants, runs)]
+
+
+def disclosed(engine, variants: Sequence[Variant], unavailable: Sequence[dict]) -> list[dict]:
+    """The report's variants: the reference, each variant with its contract and what its
+    forward compiled (plan digest, launches per step, program count), then the unavailable."""
+    out = []
+    for label, forward, contract in [(REFERENCE, REFERENCE, None)] + [(v.label, v.forward, v.contract) for v in variants]:
+        d = engine.disclosure(forward)
+        out.append({
+            "name": label, "forward": forward, "available": True,
+            "contract": "reference" if contract is None else contract.describe(),
+            "plan_digest": d["plan_digest"], "launches_per_step": d["launches_per_step"],
+            "programs": len(d["programs"]),
+        })
+    return out + [{"name": u["name"], "available": False, "reason": u["reason"]} for u in unavailable]
