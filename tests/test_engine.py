@@ -334,3 +334,32 @@ def test_zero_recompiles_in_a_ragged_verify_loop(eng, greedy_ref):
         assert compiles == []
     finally:
         _free_all(eng, seqs)
+
+
+def test_replay_rollback_matches_snapshot(eng, tiny, greedy_ref):
+    """--ssm-rollback-mode replay (checkpoint + re-run of the accepted rows) commits the state
+    the write-on-accept snapshot commits, and an abandoned verify rolls back to the pre-verify
+    state exactly."""
+    cfg, params = tiny
+    rep = Engine(cfg, params, settings(max_batch_size=2, max_seq_len=256, speculative=True, num_drafts=3,
+                                       ssm_rollback_mode="replay"))
+    assert rep.pool.trunk.verify_h is None and rep.pool.ckpt_h is not None
+    results = []
+    for e in (eng, rep):
+        seqs = [e.alloc_sequence(), e.alloc_sequence()]
+        try:
+            last = [int(e.prefill(s, PROMPT).argmax()) for s in seqs]
+            rows = [[last[0], *greedy_ref[1:3], 9], [last[1], 5, 6, 7]]
+            _step(e, seqs, rows, [2, 0])
+            nxt = e.decode_batch(seqs, [3, 3])
+            results.append([*_slot_state(e, seqs[0].slot), *_slot_state(e, seqs[1].slot), nxt])
+            before = _slot_state(e, seqs[0].slot)
+            e.verify_batched(seqs, [1, 2, 3, 4, 1, 2], [4, 2])
+            e.rollback_verify(seqs)
+            for x, y in zip(before, _slot_state(e, seqs[0].slot)):
+                np.testing.assert_array_equal(x, y)
+            assert seqs[0].seq_len == len(PROMPT) + 4
+        finally:
+            _free_all(e, seqs)
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

@@ -60,8 +60,6 @@ class Engine:
         unsupported = []
         if settings.enable_prefix_caching:
             unsupported.append("--enable-prefix-caching (prefix snapshots are not implemented by this engine)")
-        if settings.ssm_rollback_mode != "snapshot" and settings.speculative:
-            unsupported.append("--ssm-rollback-mode replay (this engine verifies with write-on-accept rows only)")
         if settings.ssm_decode_ring_slots:
             unsupported.append("--ssm-decode-ring-slots > 0 (this engine has no decode-rollback ring)")
         if settings.speculative and cfg.num_mtp_layers == 0:
@@ -82,7 +80,10 @@ class Engine:
         self.forward = forward
         self.ops = make_ops(forward)
         self._next_id = 0
-        self._verify_hidden = None  # (hidden rows of the last verify, device)
+        self._verify_hidden = None  # hidden rows of the last verify (device)
+        self.replay = settings.ssm_rollback_mode == "replay"
+        # seq_id -> (rows verified, seq_len before the verify), until its verdict is committed
+        self._verified: dict[int, tuple[list[int], int]] = {}
         self.mb = self.counts.max_blocks_per_seq
         self.mbd = settings.max_seq_len // self.counts.draft_block_size + 2
 
@@ -185,13 +186,14 @@ class Engine:
         if bad:
             raise EngineError(f"token(s) {bad[:5]} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
 
-    def _rows(self, seqs, tokens_per_seq: Sequence[Sequence[int]], verify: bool):
-        """Run `step_rows` for seqs with ragged rows; returns (logits [R, V], argmax [R]) numpy."""
+    def _rows(self, seqs, tokens_per_seq: Sequence[Sequence[int]], verify: bool, starts=None, t=None):
+        """Run `step_rows` for seqs with ragged rows at positions starts[i].. (default: their
+        lengths, which then grow by the rows); returns (logits [R, V], argmax [R]) numpy."""
         n = len(seqs)
         if n == 0:
             raise EngineError("a step over zero sequences")
         width = bucket_width(n)
-        t = self.counts.k if verify else 1
+        t = t or (self.counts.k if verify else 1)
         toks = np.zeros((width, t), np.int32)
         lens = np.zeros(width, np.int32)
         seq_lens = np.zeros(width, np.int32)
@@ -203,7 +205,7 @@ class Engine:
         for i, (s, rows) in enumerate(zip(seqs, tokens_per_seq)):
             toks[i, : len(rows)] = rows
             lens[i] = len(rows)
-            seq_lens[i] = s.seq_len
+            seq_lens[i] = s.seq_len if starts is None else starts[i]
             slots[i] = s.slot
             if verify:
                 vrow[i] = self.counts.h_step_offsets[self.counts.verify_slot(s.slot)]
@@ -216,11 +218,12 @@ class Engine:
             self.pool, self.params, _i32(toks), _i32(lens), _i32(seq_lens), _i32(slots), bt, dt,
             _i32(vrow), _i32(vslot), _i32(row_index),
         )
-        if verify:
-            self._verify_hidden = hidden
-        for s, rows in zip(seqs, tokens_per_seq):
-            s.seq_len += len(rows)
-            s.tokens += [int(x) for x in rows]
+        if starts is None:
+            if verify:
+                self._verify_hidden = hidden
+            for s, rows in zip(seqs, tokens_per_seq):
+                s.seq_len += len(rows)
+                s.tokens += [int(x) for x in rows]
         return np.asarray(logits[:r]), np.asarray(argmax[:r])
 
     def decode_batch(self, seqs: Sequence[SequenceState], tokens: Sequence[int]) -> np.ndarray:
@@ -263,8 +266,11 @@ class Engine:
         self._check_tokens(tokens)
         self._reserve(seqs, [s.seq_len + k + 1 for s, k in zip(seqs, ks)])
         off = np.concatenate([[0], np.cumsum(ks)])
-        rows = [list(tokens[off[i] : off[i + 1]]) for i in range(len(seqs))]
-        return self._rows(seqs, rows, verify=True)
+        rows = [[int(t) for t in tokens[off[i] : off[i + 1]]] for i in range(len(seqs))]
+        before = [s.seq_len for s in seqs]
+        out = self._rows(seqs, rows, verify=True)
+        self._verified.update({s.seq_id: (r, b) for s, r, b in zip(seqs, rows, before)})
+        return out
 
     def _padded(self, seqs, *cols, pad_values):
         width = bucket_width(len(seqs))
@@ -276,16 +282,47 @@ class Engine:
         return out
 
     def gdn_fold_accepted(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> None:
-        """Fold every sequence's verdict into its live GDN state: rows = accepted drafts + 1."""
+        """Fold every sequence's verdict into its live GDN state: rows = accepted drafts + 1.
+        Snapshot rollback copies the accepted row's state; replay rollback puts the pre-verify
+        state back (the commit then replays the accepted rows)."""
         self._check_rows(seqs, rows, ks)
+        if self.replay:
+            self._restore(seqs, [r < k for r, k in zip(rows, ks)])
+            return
         dummy = self.counts.slots - 1
         vrows = [self.counts.h_step_offsets[self.counts.verify_slot(s.slot)] for s in seqs]
         slots, r, k, vb = self._padded(seqs, [s.slot for s in seqs], rows, ks, vrows, pad_values=(dummy, 1, 1, 0))
         self.pool = self.programs.run("gdn_fold", tr.gdn_fold_accepted, {}, self.pool, slots, r, k, vb)
 
+    def _restore(self, seqs, mask) -> None:
+        dummy = self.counts.slots - 1
+        vslots = [self.counts.verify_slot(s.slot) for s in seqs]
+        slots, vs, m = self._padded(seqs, [s.slot for s in seqs], vslots, [int(x) for x in mask],
+                                    pad_values=(dummy, self.counts.verify_slots - 1, 0))
+        self.pool = self.programs.run("restore_ckpt", tr.restore_checkpoint, {}, self.pool, slots, vs, m.astype(bool))
+
+    def rollback_verify(self, seqs: Sequence[SequenceState]) -> None:
+        """Abandon the last verify of `seqs`: live GDN state, length and tokens as before it (its
+        KV rows lie past the length and are overwritten before they are read)."""
+        missing = [s.seq_id for s in seqs if s.seq_id not in self._verified]
+        if missing:
+            raise EngineError(f"sequence(s) {missing} have no verify to roll back")
+        self._restore(seqs, [True] * len(seqs))
+        for s in seqs:
+            rows, before = self._verified.pop(s.seq_id)
+            self.rewind(s, s.seq_len - before)
+
     def commit_accepted_prefixes(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> None:
-        """Roll each sequence's conv window back to its last accepted row (rows < K)."""
+        """Roll each sequence's conv window back to its last accepted row (rows < K); under
+        replay rollback, re-run the accepted rows from the restored pre-verify state instead
+        (same program shape as the verify, so the state and KV come out bit-identical)."""
         self._check_rows(seqs, rows, ks)
+        verified = [self._verified.pop(s.seq_id, None) for s in seqs]
+        if self.replay:
+            redo = [(s, v[0][:r], v[1]) for s, v, r, k in zip(seqs, verified, rows, ks) if v is not None and r < k]
+            if redo:
+                self._rows([x[0] for x in redo], [x[1] for x in redo], verify=True, starts=[x[2] for x in redo])
+            return
         dummy = self.counts.slots - 1
         vslots = [self.counts.verify_slot(s.slot) for s in seqs]
         slots, vs, r, k = self._padded(seqs, [s.slot for s in seqs], vslots, rows, ks,

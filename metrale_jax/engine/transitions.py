@@ -95,13 +95,18 @@ def step_rows(pool: EnginePool, params, tokens, lens, seq_lens, slots, block_tab
     cache: row t sits at position seq_len + t); slots [B]; block_tables [B, MB]; draft_tables
     [B, MBd]; vrow_base / vslot [B] (verify addressing, used when verify); row_index [R_b] (flat
     seq-major row -> b*T + t, padding -> 0).
-    With verify (write-on-accept): every GDN layer writes the state after rows 0..K_i-2 into the
+    With verify, each sequence's pre-verify live state (h and conv) is first copied into its
+    checkpoint slot (vslot), then (write-on-accept, snapshot rollback) every GDN layer writes the state after rows 0..K_i-2 into the
     slot's verify h rows and the window after every row into its verify conv rows; the live slot
     holds the state after row K_i - 1. Without verify (decode), the stash takes the row's hidden.
     Returns (logits [R_b, V] f32, argmax [R_b] int32, hidden [R_b, Hd] pre-norm, pool).
     """
     b, t = tokens.shape
     positions = _positions(seq_lens, lens, t)
+    if verify and pool.ckpt_h is not None:
+        h, c = pool.trunk.gdn_h, pool.trunk.gdn_conv
+        pool = pool.replace(ckpt_h=pool.ckpt_h.at[:, vslot].set(h[:, slots]),
+                            ckpt_conv=pool.ckpt_conv.at[:, vslot].set(c[:, slots]))
     io = PoolIO(cfg=cfg, slots=slots, lens=lens, positions=positions, block_tables=block_tables,
                 null_block=counts.kv_blocks - 1, gdn_mode="rows", ops=ops,
                 vrow_base=vrow_base if verify else None, vslot=vslot if verify else None)
@@ -126,6 +131,15 @@ def gdn_fold_accepted(pool: EnginePool, slots, rows, ks, vrow_base):
     src = jnp.where(partial, vrow_base + rows - 1, 0)
     picked = jnp.where(partial[None, :, None, None, None], vh[:, src], h[:, slots])
     return pool.replace(trunk=pool.trunk.replace(gdn_h=h.at[:, slots].set(picked)))
+
+
+def restore_checkpoint(pool: EnginePool, slots, vslots, mask):
+    """Put back the pre-verify live state (h and conv) of the sequences where mask [B] is set:
+    the replay rollback's first half, and the undo of a verify whose verdict is abandoned."""
+    t = pool.trunk
+    h = jnp.where(mask[None, :, None, None, None], pool.ckpt_h[:, vslots], t.gdn_h[:, slots])
+    c = jnp.where(mask[None, :, None, None], pool.ckpt_conv[:, vslots], t.gdn_conv[:, slots])
+    return pool.replace(trunk=t.replace(gdn_h=t.gdn_h.at[:, slots].set(h), gdn_conv=t.gdn_conv.at[:, slots].set(c)))
 
 
 def commit_conv(pool: EnginePool, slots, vslots, rows, ks):
