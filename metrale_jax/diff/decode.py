@@ -60,7 +60,7 @@ def run_decode(engine, rows: Sequence[Sequence[int]], steps: int, *, tokens: Opt
     out = Decoded(tokens=[], run=Run(prefill=[]))
     with SequenceBatch(engine, len(rows), fragment) as batch:
         first = np.stack([engine.prefill(s, p) for s, p in zip(batch.seqs, rows)])
-        out.run.prefill = [Part("prefill logits", first, "logits")]
+        out.run.prefill = [Part("logits", first, "logits")]
         out.tokens = [[t[0]] for t in tokens] if tokens else [[int(x)] for x in first.argmax(axis=1)]
         progress.advance()
         for s in range(steps):
@@ -155,7 +155,7 @@ def _row_deltas(reference: Run, run: Run, rows: Sequence[int]) -> list[dict]:
     """{row, bytes, max_abs, argmax_equal} of each left-out row's prefill logits."""
     out = []
     for i in rows:
-        a, b = (Part("prefill logits", x.prefill[0].data[i:i + 1], "logits") for x in (reference, run))
+        a, b = (Part("logits", x.prefill[0].data[i:i + 1], "logits") for x in (reference, run))
         d = diff_part(a, b, BIT_IDENTICAL)
         out.append({"row": i, "bytes": d.differing_bytes, "max_abs": d.max_abs, "argmax_equal": d.argmax_equal})
     return out

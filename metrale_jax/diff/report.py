@@ -57,7 +57,8 @@ def _table(comparisons: list[dict]) -> list[str]:
         rows.append((
             c["variant"], _contract(c["contract"]),
             "equal" if c["prefill_equal"] else ("within" if "prefill" not in c["violating_steps"] else "DIFFERS"),
-            f"{c['mismatched_steps']}/{c['steps']}", _where(c["first_diff"]), f"{c['max_abs_diff']:.3g}",
+            f"{c['mismatched_steps']}/{c['steps']}" if c["steps"] else "-", _where(c["first_diff"]),
+            f"{c['max_abs_diff']:.3g}",
             "ok" if c["ok"] else "FAIL",
         ))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
@@ -67,9 +68,9 @@ def _table(comparisons: list[dict]) -> list[str]:
 def _control(c: Optional[dict]) -> list[str]:
     if c is None:
         return []
-    seen = c["mismatched_steps"] > 0 or not c["prefill_equal"]
-    return [f"  control: {c['variant']}: {c['mismatched_steps']}/{c['steps']} steps differ, first at "
-            f"{_where(c['first_diff'])} -> {'fired' if seen else 'BLIND'}"]
+    seen = c["mismatched_steps"] > 0 if c["steps"] else not c["prefill_equal"]
+    what = f"{c['mismatched_steps']}/{c['steps']} steps differ" if c["steps"] else "the prefill differs" if seen else "the prefill is equal"
+    return [f"  control: {c['variant']}: {what}, first at {_where(c['first_diff'])} -> {'fired' if seen else 'BLIND'}"]
 
 
 def _sections(report: dict) -> list[tuple[str, list[dict], Optional[dict], list[str]]]:
@@ -99,7 +100,7 @@ def _sections(report: dict) -> list[tuple[str, list[dict], Optional[dict], list[
         extra += [f"  control {c['variant']}: {'fired' if c['saw_difference_after'] else 'BLIND'}" for c in report["controls"]]
         out = [(f"swap before step {report['spill_before_step']} ({moves})",
                 [c["comparison"] for c in report["comparisons"]], None, extra)]
-    if "detection_control" in report and mode in ("default", "prefill"):
+    if out and "detection_control" in report and mode in ("default", "prefill"):
         title, comps, _, extra = out[-1]
         out[-1] = (title, comps, report["detection_control"], extra)
     return out

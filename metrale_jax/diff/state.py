@@ -1,8 +1,8 @@
 """A sequence's device state as comparable parts, digests of it, and the swap control's change.
 
 Owns: `state_parts` (a `save_sequence_state` record as one part per layer and tensor, in model
-layer order, cut to what the sequence owns), `digests`, and `perturbed` (the record with one
-element moved by one ULP).
+layer order, cut to what the sequence owns), `digests`, and `perturbed` (the swap control's
+record, with one live element changed).
 
 Invariants:
 - Only live positions are compared: KV rows past `seq_len` (and drafter rows past
@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 
+import ml_dtypes
 import numpy as np
 
 from metrale_jax.diff.compare import Part
@@ -58,17 +59,18 @@ def digests(parts: list[Part]) -> list[dict]:
 
 
 def perturbed(record: dict) -> tuple[dict, str]:
-    """A copy of `record` with one live element's lowest bit flipped (one ULP): the largest
-    |value| of the first GDN layer's h, else the first attention layer's first K row.
-    Returns (record, where)."""
+    """A copy of `record` with the top mantissa bit of one live element flipped (its value moves
+    by a quarter to a half, like the original's 0x40 byte flip): the largest |value| of the
+    first GDN layer's h, else the first attention layer's first K element. Returns (record,
+    where). One ULP is too weak: the model's rounding downstream can absorb it."""
     rec = copy.deepcopy(record)
     dev = rec["device"]
     if dev["gdn_h"].size:
         target, name = dev["gdn_h"][0], "gdn_h of the first GDN layer"
-        flat = np.abs(target.astype(np.float64)).reshape(-1)
-        i = int(flat.argmax())
+        i = int(np.abs(target.astype(np.float64)).reshape(-1).argmax())
     else:
         target, name, i = dev["kv_k"][0], "K of the first attention layer", 0
+    bit = ml_dtypes.finfo(target.dtype).nmant - 1
     bits = target.reshape(-1).view(np.dtype(f"u{target.dtype.itemsize}"))
-    bits[i] ^= 1
-    return rec, f"{name}, element {i}, one ULP"
+    bits[i] ^= bits.dtype.type(1 << bit)
+    return rec, f"{name}, element {i}, mantissa bit {bit}"

@@ -64,7 +64,7 @@ def run_verify(engine, rows: Sequence[Sequence[int]], ks: Sequence[int], steps: 
     with SequenceBatch(engine, n, fragment) as batch:
         seqs = batch.seqs
         first = np.stack([engine.prefill(s, p) for s, p in zip(seqs, rows)])
-        run.prefill = [Part("prefill logits", first, "logits")]
+        run.prefill = [Part("logits", first, "logits")]
         last = [int(x) for x in first.argmax(axis=1)]
         pos = [0] * n
         progress.advance()

@@ -19,6 +19,7 @@ overwritten before they are ever read, as in the trunk's KV.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -76,6 +77,9 @@ def prefill_chunk(pool: EnginePool, params, tokens, start, length, slot, block_t
     [1, MB]; draft_table [1, MBd] (ignored without drafter). A chunk at start 0 begins from a zero
     GDN state and conv window. Returns (logits of the last valid row [1, V] f32, pool).
     """
+    chex.assert_shape(tokens, (1, None))
+    chex.assert_shape([start, length, slot], (1,))
+    chex.assert_shape(block_table, (1, counts.max_blocks_per_seq))
     positions = _positions(start, length, tokens.shape[1])
     io = PoolIO(cfg=cfg, slots=slot, lens=length, positions=positions, block_tables=block_table,
                 null_block=counts.kv_blocks - 1, gdn_mode="chunk", ops=ops, fresh=start == 0)
@@ -102,6 +106,10 @@ def step_rows(pool: EnginePool, params, tokens, lens, seq_lens, slots, block_tab
     Returns (logits [R_b, V] f32, argmax [R_b] int32, hidden [R_b, Hd] pre-norm, pool).
     """
     b, t = tokens.shape
+    chex.assert_shape([lens, seq_lens, slots, vrow_base, vslot], (b,))
+    chex.assert_shape(block_tables, (b, counts.max_blocks_per_seq))
+    chex.assert_shape(row_index, (b * t,))
+    chex.assert_type([tokens, lens, seq_lens, slots, row_index], jnp.int32)
     positions = _positions(seq_lens, lens, t)
     if verify and pool.ckpt_h is not None:
         h, c = pool.trunk.gdn_h, pool.trunk.gdn_conv
@@ -125,6 +133,7 @@ def gdn_fold_accepted(pool: EnginePool, slots, rows, ks, vrow_base):
     """Select each sequence's accepted GDN state: rows [B] = accepted drafts + 1 (anchor
     included), ks [B]. rows == K keeps the live state (already the last row's); rows < K copies
     verify h row rows - 1 into the live slot. Padding entries use rows == ks."""
+    chex.assert_equal_shape([slots, rows, ks, vrow_base])
     h = pool.trunk.gdn_h
     vh = pool.trunk.verify_h
     partial = rows < ks
@@ -145,6 +154,7 @@ def restore_checkpoint(pool: EnginePool, slots, vslots, mask):
 def commit_conv(pool: EnginePool, slots, vslots, rows, ks):
     """Roll each sequence's conv window back to the one after its last accepted row (rows < K);
     rows == K keeps the live window. Padding entries use rows == ks."""
+    chex.assert_equal_shape([slots, vslots, rows, ks])
     c = pool.trunk.gdn_conv
     vc = pool.trunk.verify_conv
     partial = rows < ks
@@ -167,6 +177,8 @@ def propose(pool: EnginePool, params, last, seq_lens, slots, draft_tables, valid
     Returns (drafts [B, nd] int32, confidences [B, nd] f32 = log_softmax(logits)[draft], logits of
     the last draft position [B, V] f32, pool).
     """
+    chex.assert_shape([last, seq_lens, slots, valid], (last.shape[0],))
+    chex.assert_rank(draft_tables, 2)
     hidden = _mtp_hidden(params, cfg, pool.stash[slots])[:, None, :]
     tok = last[:, None]
     state = TrunkState(gdn_h=None, gdn_conv=None, kv_k=pool.draft_k, kv_v=pool.draft_v)

@@ -7,6 +7,7 @@ the state IO.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -21,6 +22,8 @@ def _lin(x, w):
 
 def project(p, x, positions, cfg: ModelConfig):
     """x [B, T, Hd], positions [B, T] -> (q, k, v, gate [B, T, H*D])."""
+    chex.assert_shape(x, (None, None, cfg.hidden_size))
+    chex.assert_shape(positions, x.shape[:2])
     b_, t = x.shape[:2]
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg = _lin(x, p["wq"]).reshape(b_, t, h, 2 * d)

@@ -11,6 +11,7 @@ Invariant: `forward` over T > 1 rows uses the chunked GDN form, over T == 1 the 
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -39,7 +40,9 @@ def forward(params, cfg: ModelConfig, tokens, cache: TrunkState, start, ops=Refe
 
     Returns (logits [B, T, V] f32, hidden [B, T, Hd] pre-final-norm, new cache).
     """
+    chex.assert_rank(tokens, 2)
     b, t = tokens.shape
+    chex.assert_axis_dimension(cache.gdn_h, 1, b)
     io = PoolIO(
         cfg=cfg,
         slots=jnp.arange(b, dtype=jnp.int32),

@@ -11,6 +11,7 @@ de-interleaved at load time, so params always hold the split Qwen3.5 form).
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +25,7 @@ def _lin(x, w):
 
 def project(p, x, cfg: ModelConfig):
     """x [B, T, Hd] -> (mixed [B, T, C] pre-conv, z [B, T, nv, dv], b [B, T, nv], a [B, T, nv])."""
+    chex.assert_shape(x, (None, None, cfg.hidden_size))
     b_, t = x.shape[:2]
     mixed = _lin(x, p["w_qkv"])
     z = _lin(x, p["w_z"]).reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
@@ -39,7 +41,9 @@ def causal_conv(mixed, window, w, lens):
     final [B, C, Kc] — the window after row lens-1, or the input window when lens == 0).
     """
     kc = w.shape[-1]
-    t = mixed.shape[1]
+    b_, t, c = mixed.shape
+    chex.assert_shape(window, (b_, c, kc))
+    chex.assert_shape(lens, (b_,))
     ext = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(mixed.dtype), mixed], axis=1)  # [B, Kc+T, C]
     taps = jnp.stack([ext[:, 1 + i : 1 + i + t] for i in range(kc)], axis=-1)  # [B, T, C, Kc]
     y = jax.nn.silu(jnp.sum(taps * w.astype(mixed.dtype), axis=-1))
@@ -81,6 +85,8 @@ def mask_rows(k, beta, g, lens):
 
 def output(p, o, z, cfg: ModelConfig, dtype):
     """Core output o [B, T, nv, dv] f32 -> gated norm with z -> out_proj -> [B, T, Hd]."""
+    chex.assert_shape(o, (None, None, cfg.linear_num_value_heads, cfg.linear_value_head_dim))
+    chex.assert_equal_shape([o, z])
     b_, t = o.shape[:2]
     n = gated_rms_norm(o.astype(dtype), z, p["norm"], cfg.rms_norm_eps)
     return _lin(n.reshape(b_, t, cfg.value_dim), p["out"])

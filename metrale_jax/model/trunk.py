@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -44,6 +45,9 @@ def trunk(params, cfg: ModelConfig, tokens, io, state):
     `metrale_jax.model.layout`): the scan loops over groups with the state in the carry, and each
     layer addresses its state by (group * layers of its kind per group + its rank in the group).
     """
+    chex.assert_rank(tokens, 2)
+    chex.assert_type(tokens, jnp.int32)
+    chex.assert_shape(io.positions, tokens.shape)
     x = params["embed"][tokens]
     if "layer_groups" not in params:
         counters = {LINEAR: 0, FULL: 0}
@@ -62,6 +66,7 @@ def trunk(params, cfg: ModelConfig, tokens, io, state):
         return (x, state, g + 1), None
 
     (x, state, _), _ = jax.lax.scan(group, (x, state, jnp.int32(0)), params["layer_groups"])
+    chex.assert_shape(x, (*tokens.shape, cfg.hidden_size))
     return x, state
 
 
@@ -86,6 +91,8 @@ def mtp_forward(params, cfg: ModelConfig, tokens, hidden_in, io, state, layer: i
     Returns (m [B, T, Hd] after mtp.norm — the next chained hidden —, logits f32, new state).
     The MTP layer is a full-attention layer whose KV is layer `layer` of the IO's state.
     """
+    chex.assert_rank(tokens, 2)
+    chex.assert_shape(hidden_in, (*tokens.shape, cfg.hidden_size))
     mp = params["mtp"]
     e = params["embed"][tokens]
     u = jnp.concatenate(

@@ -53,7 +53,7 @@ class TrainRecipe:
     `eval_every` steps (the curve), all held-out text at the end (the reported perplexity).
     """
 
-    steps: int = 700
+    steps: int = 520
     batch: int = 16
     seq_len: int = 256
     lr: float = 3e-3

@@ -1,0 +1,320 @@
+"""Draft-schedule research on the engine: run greedy speculative decoding over a prompt set under
+a schedule, get tidy per-step and per-sequence records, and summarise them.
+
+Owns: `Study` (a model and the one engine its runs share, so a sweep compiles each program once),
+the schedule constructors (`flat_schedule`, `ladder_schedule`), `Run` (the tidy arrays) with its
+summaries (mean accepted length, acceptance by draft position, tokens per verify row, confidence
+calibration, the trade-off of a confidence cut-off), `Study.sweep`, `study_for` (a cached study
+of a checkpoint) and `heldout_prompts` (prompts from the small model's held-out text).
+
+Invariants:
+- Runs are greedy: every emitted token is the verify's argmax, so a run's tokens equal plain
+  greedy decoding whatever the schedule (`speculative_generate`'s invariant); a schedule moves
+  only acceptance and cost.
+- Draft position j (0-based) of a step is *reached* when drafts 0..j-1 were all accepted; it is
+  *accepted* when reached and equal to the verify's argmax (greedy prefix acceptance), so
+  `accepted_at[:, j]` implies `reached[:, j]` and `accepted == accepted_at.sum(1)`.
+- Confidences are the drafter's log-probabilities of its drafts (log_softmax of the MTP logits),
+  as `DraftSchedule.confidence_stop` reads them; calibration reports them as probabilities.
+- A step's verify rows are K = drafts + 1 (the anchor row carries the last token): the rows that
+  carry tokens, not the engine's padding to its widest K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.engine.capacity import DEFAULT_K_LADDER, KLadder, parse_k_ladder
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.settings import resolve_settings
+from metrale_jax.engine.speculative import DraftSchedule, GenerationResult, greedy_generate, speculative_generate
+from metrale_jax.tokenizer import ByteTokenizer
+
+
+def flat_schedule(num_drafts: int, confidence_stop: Optional[float] = None) -> DraftSchedule:
+    """`num_drafts` drafts at every batch width (optionally cut at a log-confidence)."""
+    return DraftSchedule(num_drafts, None, confidence_stop)
+
+
+def ladder_schedule(
+    num_drafts: int, ladder: KLadder | str = DEFAULT_K_LADDER, confidence_stop: Optional[float] = None
+) -> DraftSchedule:
+    """Drafts per width from a K ladder (`(n_max, drafts)` steps or its `"4:3,8:3,16:1,32:1"`
+    text; default: the engine's), capped at `num_drafts`. Raises ValueError on a bad ladder."""
+    return DraftSchedule(num_drafts, parse_k_ladder(ladder) if isinstance(ladder, str) else ladder, confidence_stop)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Reached drafts binned by confidence (probability): bin `edges` [n + 1], per bin the
+    `mean_confidence`, the empirical `acceptance` (NaN for an empty bin) and the `count`."""
+
+    edges: np.ndarray
+    mean_confidence: np.ndarray
+    acceptance: np.ndarray
+    count: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One schedule over one prompt set. Step rows: one per (verify step, active sequence),
+    in order; D = `schedule.num_drafts` draft positions.
+
+    group, step, seq, active: int [N] — which group of `width` prompts ran together, the step
+      number within the group, the prompt index, and how many sequences verified in that step;
+    proposed: int [N] — drafts the schedule asks for at that width (an engine whose K ladder
+      gives a slot less capacity verifies fewer; a `Study`'s never does); drafted: int [N] —
+      drafts verified (after the confidence stop); accepted: int [N];
+    confidence: float [N, D] — log-probability of each verified draft (NaN past `drafted`);
+    reached, accepted_at: bool [N, D] (see the module invariants).
+    tokens: per prompt, the `max_new_tokens` generated tokens.
+    """
+
+    schedule: DraftSchedule
+    width: int
+    max_new_tokens: int
+    tokens: list[list[int]]
+    group: np.ndarray
+    step: np.ndarray
+    seq: np.ndarray
+    active: np.ndarray
+    proposed: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    confidence: np.ndarray
+    reached: np.ndarray
+    accepted_at: np.ndarray
+
+    @classmethod
+    def from_generations(cls, schedule: DraftSchedule, width: int, max_new_tokens: int,
+                         parts: Sequence[tuple[Sequence[int], GenerationResult]]) -> "Run":
+        """Tidy the results of `speculative_generate` calls under `schedule`: part g is
+        (the prompt indices it ran, in order; its result). Prompts are 0..P-1 over all parts."""
+        d = schedule.num_drafts
+        tokens: list[list[int]] = [[] for _ in range(sum(len(idx) for idx, _ in parts))]
+        cols: dict[str, list] = {k: [] for k in ("group", "step", "seq", "active", "proposed", "drafted", "accepted")}
+        confidence: list[np.ndarray] = []
+        for g, (idx, res) in enumerate(parts):
+            for j, i in enumerate(idx):
+                tokens[i] = res.tokens[j]
+            for s, rec in enumerate(res.steps):
+                n = len(rec.seqs)
+                for local, k, a, conf in zip(rec.seqs, rec.ks, rec.accepted, rec.confidences):
+                    for name, v in (("group", g), ("step", s), ("seq", idx[local]), ("active", n),
+                                    ("proposed", schedule.drafts_at(n)), ("drafted", k - 1), ("accepted", a)):
+                        cols[name].append(v)
+                    row = np.full(d, np.nan)
+                    row[: k - 1] = conf
+                    confidence.append(row)
+        ints = {k: np.asarray(v, np.int64) for k, v in cols.items()}
+        pos = np.arange(d)[None, :]
+        return cls(
+            schedule=schedule, width=width, max_new_tokens=max_new_tokens, tokens=tokens, **ints,
+            confidence=np.stack(confidence) if confidence else np.zeros((0, d)),
+            reached=(pos <= ints["accepted"][:, None]) & (pos < ints["drafted"][:, None]),
+            accepted_at=pos < ints["accepted"][:, None],
+        )
+
+    @property
+    def verify_rows(self) -> np.ndarray:
+        """int [N]: rows each step row spent (drafts + the anchor)."""
+        return self.drafted + 1
+
+    @property
+    def emitted(self) -> np.ndarray:
+        """int [N]: tokens each step row produced (accepted drafts + the verify's own token)."""
+        return self.accepted + 1
+
+    def per_sequence(self) -> dict[str, np.ndarray]:
+        """Totals per prompt, int [P]: steps, drafted, accepted, verify_rows, emitted."""
+        p = len(self.tokens)
+        count = lambda w: np.bincount(self.seq, weights=w, minlength=p).astype(np.int64)
+        return {
+            "steps": count(np.ones_like(self.seq)),
+            "drafted": count(self.drafted),
+            "accepted": count(self.accepted),
+            "verify_rows": count(self.verify_rows),
+            "emitted": count(self.emitted),
+        }
+
+    def acceptance_by_position(self) -> np.ndarray:
+        """float [D]: accepted / verified drafts at each position (NaN where none was verified).
+        Position 0 is the first-draft acceptance."""
+        verified = np.arange(self.confidence.shape[1])[None, :] < self.drafted[:, None]
+        return _ratio(self.accepted_at.sum(0), verified.sum(0))
+
+    def conditional_acceptance_by_position(self) -> np.ndarray:
+        """float [D]: accepted / reached drafts at each position — P(draft j right | drafts
+        before it right)."""
+        return _ratio(self.accepted_at.sum(0), self.reached.sum(0))
+
+    def summary(self) -> dict:
+        """The headline numbers: steps, mean_accepted_length (tokens per sequence per verify),
+        mean_drafted, tokens_per_verify_row, acceptance_by_position,
+        conditional_acceptance_by_position."""
+        return {
+            "steps": int(len(set(zip(self.group.tolist(), self.step.tolist())))),
+            "mean_accepted_length": float(self.emitted.mean()),
+            "mean_drafted": float(self.drafted.mean()),
+            "tokens_per_verify_row": float(self.emitted.sum() / self.verify_rows.sum()),
+            "acceptance_by_position": self.acceptance_by_position(),
+            "conditional_acceptance_by_position": self.conditional_acceptance_by_position(),
+        }
+
+    def calibration(self, bins: int = 10, position: Optional[int] = None) -> Calibration:
+        """Reached drafts (all, or those at draft `position`) in `bins` equal-width
+        probability bins of their confidence."""
+        reached = self.reached.copy()
+        if position is not None:
+            reached[:, np.arange(reached.shape[1]) != position] = False
+        conf = np.exp(self.confidence[reached])
+        hit = self.accepted_at[reached]
+        edges = np.linspace(0.0, 1.0, bins + 1)
+        idx = np.clip(np.digitize(conf, edges[1:-1]), 0, bins - 1)
+        count = np.bincount(idx, minlength=bins)
+        return Calibration(
+            edges=edges,
+            mean_confidence=_ratio(np.bincount(idx, weights=conf, minlength=bins), count),
+            acceptance=_ratio(np.bincount(idx, weights=hit, minlength=bins), count),
+            count=count,
+        )
+
+    def cutoff_tradeoff(self, thresholds: Sequence[float]) -> dict[str, np.ndarray]:
+        """Replay each step under a confidence stop at each log-confidence threshold: keep the
+        drafts before the first one below it; accepted drafts past the cut are lost. A per-step
+        replay (later steps keep their recorded start), which `Study.run` with
+        `confidence_stop` measures exactly. Returns float arrays [len(thresholds)]: threshold,
+        rows_saved (fraction of verify rows), tokens_lost (fraction of emitted tokens),
+        tokens_per_verify_row."""
+        th = np.asarray(thresholds, np.float64)
+        d = self.confidence.shape[1]
+        verified = np.arange(d)[None, :] < self.drafted[:, None]
+        conf = np.where(verified, self.confidence, np.inf)
+        below = conf[None, :, :] < th[:, None, None]  # [M, N, D]
+        kept = np.where(below.any(-1), below.argmax(-1), self.drafted[None, :])  # [M, N]
+        acc = np.minimum(self.accepted[None, :], kept)
+        rows = (kept + 1).sum(-1)
+        tokens = (acc + 1).sum(-1)
+        return {
+            "threshold": th,
+            "rows_saved": 1.0 - rows / self.verify_rows.sum(),
+            "tokens_lost": 1.0 - tokens / self.emitted.sum(),
+            "tokens_per_verify_row": tokens / rows,
+        }
+
+    def records(self) -> list[dict]:
+        """The step rows as dicts (e.g. for `pandas.DataFrame`)."""
+        cols = ("group", "step", "seq", "active", "proposed", "drafted", "accepted")
+        return [
+            {**{c: int(getattr(self, c)[i]) for c in cols},
+             "confidences": self.confidence[i, : self.drafted[i]].tolist()}
+            for i in range(len(self.seq))
+        ]
+
+
+def _ratio(num, den) -> np.ndarray:
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    return np.divide(num, den, out=np.full(num.shape, np.nan), where=den > 0)
+
+
+class Study:
+    """A model under study. Its runs share one speculative engine sized for `max_width`
+    sequences of `max_seq_len` tokens with a flat capacity of `max_drafts` drafts per slot (so
+    any schedule up to `max_drafts` fits at any width; the schedule decides what is used), and
+    the engine compiles each program once for the whole study.
+    """
+
+    def __init__(self, cfg: ModelConfig, params, *, max_width: int = 32, max_drafts: int = 4, max_seq_len: int = 512):
+        if cfg.num_mtp_layers == 0:
+            raise ValueError("a draft-schedule study needs a model with an MTP head")
+        self.cfg, self.params = cfg, params
+        self.max_width, self.max_drafts, self.max_seq_len = max_width, max_drafts, max_seq_len
+        self._engine: Optional[Engine] = None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raw = {
+                "max_batch_size": str(self.max_width), "max_seq_len": self.max_seq_len,
+                "speculative": True, "num_drafts": self.max_drafts, "mtp_max_seqs": self.max_width,
+                "mtp_k_ladder": f"{self.max_width}:{self.max_drafts}", "kv_cache_dtype": "f32",
+            }
+            self._engine = Engine(self.cfg, self.params, resolve_settings(raw, None, auto_slots=self.max_width))
+        return self._engine
+
+    def _groups(self, prompts, max_new_tokens: int, width: Optional[int]):
+        width = width or len(prompts)
+        if not prompts:
+            raise ValueError("no prompts")
+        if not 1 <= width <= self.max_width:
+            raise ValueError(f"width {width} outside 1..{self.max_width} (the study's max_width)")
+        longest = max(len(p) for p in prompts) + max_new_tokens + self.max_drafts + 1
+        if longest > self.max_seq_len:
+            raise ValueError(f"a sequence would reach {longest} tokens, over the study's max_seq_len {self.max_seq_len}")
+        return width, [list(range(i, min(i + width, len(prompts)))) for i in range(0, len(prompts), width)]
+
+    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, schedule: DraftSchedule,
+            width: Optional[int] = None) -> Run:
+        """Greedy speculative decoding of `max_new_tokens` per prompt, `width` prompts at a time
+        (default: all at once), under `schedule`. Raises ValueError for a schedule over
+        `max_drafts` or a run that does not fit the study's engine."""
+        if not 1 <= schedule.num_drafts <= self.max_drafts:
+            raise ValueError(f"num_drafts {schedule.num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
+        width, groups = self._groups(prompts, max_new_tokens, width)
+        parts = [(idx, speculative_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, schedule))
+                 for idx in groups]
+        return Run.from_generations(schedule, width, max_new_tokens, parts)
+
+    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, width: Optional[int] = None) -> list[list[int]]:
+        """Plain greedy decoding (no drafts) on the same engine: the reference a run must equal."""
+        _, groups = self._groups(prompts, max_new_tokens, width)
+        out: list[list[int]] = []
+        for idx in groups:
+            out += greedy_generate(self.engine, [prompts[i] for i in idx], max_new_tokens)
+        return out
+
+    def sweep(self, prompts, max_new_tokens: int, schedules: dict[str, DraftSchedule], widths: Iterable[int]) -> list[dict]:
+        """Every (schedule, width): one row {label, num_drafts, width, **summary} per run."""
+        rows = []
+        for label, sched in schedules.items():
+            for w in widths:
+                s = self.run(prompts, max_new_tokens, sched, width=w).summary()
+                rows.append({"label": label, "num_drafts": sched.num_drafts, "width": w, **s})
+        return rows
+
+
+@functools.lru_cache(maxsize=4)
+def study_for(checkpoint: str, max_width: int = 32, max_drafts: int = 4, max_seq_len: int = 512) -> Study:
+    """The `Study` of a preset name or checkpoint directory, cached: everything in one process
+    that studies the same checkpoint (notebooks run back to back, tests) shares one engine and its
+    compiled programs."""
+    from metrale_jax.presets import resolve_checkpoint
+    from metrale_jax.presets_data import PRESET_DIRS
+
+    cfg, params = resolve_checkpoint(PRESET_DIRS.get(checkpoint, checkpoint))
+    return Study(cfg, params, max_width=max_width, max_drafts=max_drafts, max_seq_len=max_seq_len)
+
+
+def heldout_prompts(count: int, length: int, seed: int = 0, corpus_dir: Optional[str] = None) -> list[list[int]]:
+    """`count` byte-token prompts of `length` tokens from the small model's held-out stdlib files
+    (the training recipe's split of `corpus_dir`, default this Python's stdlib), each starting at
+    a line start, none crossing a file boundary; deterministic in `seed`. Raises ValueError when
+    the held-out text is too short."""
+    from metrale_jax.training.corpus import default_stdlib_dir, load_corpus
+    from metrale_jax.training.recipe import SMALL_RECIPE
+
+    tokenizer = ByteTokenizer()
+    val = load_corpus(corpus_dir or default_stdlib_dir(), tokenizer, SMALL_RECIPE.val_every_nth_file).val
+    eos = tokenizer.eos_id
+    starts = np.nonzero(val[:-length] == ord("\n"))[0] + 1
+    ends = np.cumsum(val == eos)
+    ok = starts[ends[starts + length - 1] == ends[np.maximum(starts - 1, 0)]]  # no <|endoftext|> inside
+    if ok.size < count:
+        raise ValueError(f"only {ok.size} held-out prompts of {length} tokens, {count} asked for")
+    pick = np.sort(np.random.default_rng(seed).choice(ok, size=count, replace=False))
+    return [[int(t) for t in val[s : s + length]] for s in pick]
