@@ -27,9 +27,11 @@ def moe(p, x, cfg: ModelConfig):
     """Sparse MoE block. x: [..., Hd]. p: router [E, Hd], gate_up [E, 2I, Hd] (gate rows first),
     down [E, Hd, I], shared {gate, up, down}, shared_gate [1, Hd].
 
-    NOTE: every expert runs on every row and the non-selected ones get weight 0. That is exact
-    (a zero weight contributes nothing) and the simplest correct reference; it costs E/top_k more
-    FLOPs, which is fine for the small models this reference forward is checked on.
+    NOTE: a scan over experts runs each expert on every row and weights it by the row's routing
+    weight (0 when not selected), accumulating in expert-index order in the activation dtype, as
+    transformers' eager loop does (bitwise the same sums in bfloat16). It costs E/top_k more
+    FLOPs than a grouped matmul but holds one expert's activations at a time, so the compiled
+    program's memory is what a real MoE step needs.
     """
     logits = _lin(x, p["router"])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -41,13 +43,14 @@ def moe(p, x, cfg: ModelConfig):
         jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None], axis=-2
     )  # [..., E]
     inter = cfg.moe_intermediate_size
-    gu = jnp.einsum("...i,eoi->...eo", x, p["gate_up"])
-    h = jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
-    expert_out = jnp.einsum("...ei,eoi->...eo", h, p["down"])  # [..., E, Hd]
-    # NOTE: routed outputs are accumulated in expert-index order in the activation dtype, each
-    # product and sum rounded, as transformers does (it matters in bfloat16 only).
-    terms = jnp.moveaxis(expert_out * combine[..., None], -2, 0)  # [E, ..., Hd]
-    routed, _ = jax.lax.scan(lambda acc, t: (acc + t, None), jnp.zeros_like(terms[0]), terms)
+
+    def expert(acc, xs):
+        gate_up, down, w = xs  # [2I, Hd], [Hd, I], [...]
+        gu = _lin(x, gate_up)
+        out = _lin(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], down)
+        return acc + out * w[..., None], None
+
+    routed, _ = jax.lax.scan(expert, jnp.zeros_like(x), (p["gate_up"], p["down"], jnp.moveaxis(combine, -1, 0)))
     shared = swiglu(p["shared"], x) * jax.nn.sigmoid(_lin(x, p["shared_gate"]))
     return routed + shared
 
