@@ -363,3 +363,22 @@ def test_replay_rollback_matches_snapshot(eng, tiny, greedy_ref):
             _free_all(e, seqs)
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_speculative_equals_greedy_on_a_loaded_checkpoint():
+    """The oracle on real HF-layout weights (the Qwen3-Next MoE fixture with its mtp.* head),
+    ragged K from a confidence stop and widths 1 and 3."""
+    import os
+
+    from conftest import FIXTURES
+    from metrale_jax.checkpoint import load_checkpoint
+
+    cfg, params = load_checkpoint(os.path.join(FIXTURES, "hf", "qwen3_next_moe"), np.float32)
+    eng = Engine(cfg, params, settings(max_batch_size=4, max_seq_len=256, speculative=True, num_drafts=3))
+    rng = np.random.default_rng(11)
+    prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, size=n)] for n in (40, 13, 70)]
+    for batch in (prompts[:1], prompts):
+        ref = greedy_generate(eng, batch, 64)
+        r = speculative_generate(eng, batch, 64, DraftSchedule(3, confidence_stop=-2.0))
+        assert r.tokens == ref
+    assert len({k for s in r.steps for k in s.ks}) > 1
