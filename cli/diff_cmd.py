@@ -22,9 +22,12 @@ import click
 
 from metrale_jax.diff import Bar, DiffRequest, DiffRequestError, default_variants, render_summary, run_diff, to_json
 from metrale_jax.diff.variants import known_labels
+from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import EngineError
-from metrale_jax.engine.settings import Behavior, BehaviorError, SettingsError, pop_serve_raw, resolve_settings, serve_options
+from metrale_jax.engine.settings import (
+    Behavior, BehaviorError, SettingsError, pop_serve_raw, resolve_settings, serve_options,
+)
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli.errors import UsageError, register_user_error, user_errors
 
@@ -47,7 +50,7 @@ def _ints(flag: str, text: str | None) -> tuple[int, ...]:
 def _settings(checkpoint: str, raw: dict, request: DiffRequest):
     """Resolve the serve flags, sizing the context and slots the user left unset."""
     behavior = Behavior.load(Path(checkpoint) / "MODEL.toml") if os.path.isdir(checkpoint) else None
-    auto = max(request.slots_needed(), 1)
+    auto = min(request.slots_needed(), AUTO_MAX_SLOTS)
     settings = resolve_settings(raw, behavior, auto_slots=auto)
     sized = {}
     if "max_seq_len" not in raw:
@@ -79,7 +82,8 @@ def _settings(checkpoint: str, raw: dict, request: DiffRequest):
 @click.option("--prefill", help="Mode: prefill parity at prompt lengths L,.. (single pass against chunked).")
 @click.option("--prefill-chunk", help="The chunk sizes C,.. of --prefill.")
 @click.option("--swap", is_flag=True, help="Mode: spill the sequence halfway, free, re-allocate, restore, continue.")
-@click.option("--forwards", help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}].")
+@click.option("--forwards",
+              help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}].")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the summary.")
 @serve_options
 @click.pass_context

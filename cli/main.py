@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from metrale_jax_cli.diff_cmd import diff
 from metrale_jax_cli.logits_cmd import logits
 from metrale_jax_cli.memory_cmd import memory
 
@@ -14,5 +15,6 @@ def cli():
     """metrale-jax: a functional JAX core for hybrid GDN + attention models with MTP speculative decoding."""
 
 
+cli.add_command(diff)
 cli.add_command(logits)
 cli.add_command(memory)

@@ -3,7 +3,8 @@
 Owns: `Part` (one named array a run produced), `Run` (a run's prefill parts, its per-step parts
 and its timings), `Contract` (what a variant promises: bit-identical, or bounded by a declared
 relative tolerance with every argmax equal), `diff_part` (one part pair, element by element)
-and `compare` (a whole run against the reference, step by step).
+and `compare` (a whole run against the reference, step by step). How a difference is worded is
+`report`'s.
 
 Invariants:
 - Byte equality is judged on the raw bytes; values, hex, ULP distance and |Δ| only describe a
@@ -126,7 +127,10 @@ def _hex(u) -> str:
 
 
 def _rows2d(a: np.ndarray) -> np.ndarray:
-    return a.reshape(a.shape[0] if a.ndim else 1, -1)
+    """`a` as [rows, elements] (rows: axis 0; a scalar is one row); empty arrays keep their rows."""
+    if a.ndim == 0:
+        return a.reshape(1, 1)
+    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
 
 
 def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
@@ -225,9 +229,6 @@ class Comparison:
     first_violation: Optional[dict]
     ok: bool
 
-    def mismatched(self, step: Step) -> bool:
-        return step in self.violating_steps
-
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -310,29 +311,3 @@ def timing(variant: str, run: Run) -> dict:
         "step_ms_median": median_after_first(run.step_ms),
     }
 
-
-def describe(loc: Optional[dict]) -> str:
-    """One line locating a difference: step, part, row, index, both values (hex), ULP, |Δ|."""
-    if loc is None:
-        return "nowhere"
-    s = loc.get("step")
-    step = "the prefill" if s == "prefill" else s if isinstance(s, str) else f"step {s}"
-    if "note" in loc:
-        return f"{step}: {loc['part'] + ': ' if 'part' in loc else ''}{loc['note']}"
-    text = (f"{step}, {loc['part']} row {loc['row']} index {loc['index']}: {loc['reference']!r} "
-            f"({loc['reference_hex']}) vs {loc['replay']!r} ({loc['replay_hex']})")
-    if loc.get("ulp") is not None:
-        text += f", {loc['ulp']} ULP"
-    text += f", |Δ| {loc['abs_diff']:.3g} (max {loc['max_abs_diff']:.3g})"
-    if "argmax_equal" in loc:
-        text += ", argmax " + ("agrees" if loc["argmax_equal"] else
-                               f"differs ({loc['argmax_reference']} vs {loc['argmax_replay']})")
-    return f"{text} [{loc['why']}]"
-
-
-def failure_line(where: str, c: Comparison) -> str:
-    """The verdict's reason for a comparison that broke its contract."""
-    steps = [s for s in c.violating_steps if s != "prefill"]
-    return (f"{where}, {c.variant} ({c.contract.split(':')[0]}): prefill "
-            f"{'ok' if 'prefill' not in c.violating_steps else 'differs'}, {len(steps)} of {c.steps} "
-            f"steps differ; first at {describe(c.first_violation)}")

@@ -11,6 +11,10 @@ Invariants:
 - `--batch`: a row whose prefill breaks a variant's contract is left out of that variant's
   step comparison and reported (`prefill_row_deltas`); more than rows / 8 left out, or the
   control's row left out, fails the width.
+- `--swap`: every run spills before step steps / 2 and restores into another slot and other
+  blocks (`SequenceBatch.relocate`). Each variant restores its own record; the last variant
+  also restores the reference's (records are exchangeable across forwards); two controls
+  restore the reference's record with one element changed and must differ after the spill.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from metrale_jax.diff.compare import (
-    BIT_IDENTICAL, Comparison, Part, Run, compare, describe, diff_part, failure_line, saw_difference,
+    BIT_IDENTICAL, Comparison, Part, Run, compare, diff_part, diff_parts, saw_difference,
     timing, without_rows,
 )
 from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.progress import Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
+from metrale_jax.diff.report import describe, failure_line
 from metrale_jax.diff.schedule import control_row
 from metrale_jax.diff.state import perturbed, state_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, compare_all, replay_all, selected
@@ -59,7 +64,7 @@ def run_decode(engine, rows: Sequence[Sequence[int]], steps: int, *, tokens: Opt
     tokens: per row, the steps + 1 tokens to feed (None: greedy from the run's own logits)."""
     out = Decoded(tokens=[], run=Run(prefill=[]))
     with SequenceBatch(engine, len(rows), fragment) as batch:
-        first = np.stack([engine.prefill(s, p) for s, p in zip(batch.seqs, rows)])
+        first = batch.prefill(rows)
         out.run.prefill = [Part("logits", first, "logits")]
         out.tokens = [[t[0]] for t in tokens] if tokens else [[int(x)] for x in first.argmax(axis=1)]
         progress.advance()
@@ -93,7 +98,8 @@ def diff_prompts(engine, variants: Sequence[Variant], *, n_prompts: int, steps: 
     for p, prompt in enumerate(prompts(n_prompts, vocab)):
         progress.section(f"prompt {p}", (len(variants) + 1 + (p == 0)) * (steps + 1))
         ref = run_decode(engine, [prompt], steps, progress=progress)
-        runs = replay_all(engine, variants, lambda: run_decode(engine, [prompt], steps, tokens=ref.tokens, progress=progress).run)
+        runs = replay_all(engine, variants,
+                          lambda: run_decode(engine, [prompt], steps, tokens=ref.tokens, progress=progress).run)
         comparisons, timings = compare_all(variants, ref.run, runs)
         reasons += [failure_line(f"prompt {p}", c) for c in comparisons if not c.ok]
         sections.append({"tokens": len(prompt), "comparisons": [c.to_json() for c in comparisons], "timings": timings})
@@ -115,14 +121,15 @@ def diff_widths(engine, variants: Sequence[Variant], *, widths: Sequence[int], f
         progress.section(f"batch n={n}", (len(variants) + 2) * (steps + 1))
         rows = batch_prompts(n, vocab)
         ref = run_decode(engine, rows, steps, fragment=fragment, progress=progress)
-        runs = replay_all(engine, variants,
-                          lambda: run_decode(engine, rows, steps, tokens=ref.tokens, fragment=fragment, progress=progress).run)
+        runs = replay_all(engine, variants, lambda: run_decode(
+            engine, rows, steps, tokens=ref.tokens, fragment=fragment, progress=progress).run)
         left_out = [_left_out(ref.run, r, v.contract) for v, r in zip(variants, runs)]
         comparisons = [compare(v.label, without_rows(ref.run, skip), without_rows(r, skip), v.contract)
                        for v, r, skip in zip(variants, runs, left_out)]
         row = control_row(n, sorted({i for skip in left_out for i in skip}))
         at = steps // 2
-        r = run_decode(engine, rows, steps, tokens=_changed(ref.tokens, row, at, vocab), fragment=fragment, progress=progress)
+        r = run_decode(engine, rows, steps, tokens=_changed(ref.tokens, row, at, vocab), fragment=fragment,
+                       progress=progress)
         control_skip = _left_out(ref.run, r.run, BIT_IDENTICAL)
         control = compare(f"{REFERENCE}, row {row}'s token changed at step {at}",
                           without_rows(ref.run, control_skip), without_rows(r.run, control_skip), BIT_IDENTICAL)
@@ -196,7 +203,7 @@ def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Prog
 
 def _swap_comparison(cfg, label: str, ref: Decoded, ref_record: list[Part], run: Decoded, contract, at: int) -> dict:
     """A spilled run against the reference: its record, then its steps before and after."""
-    record = [diff_part(a, b, contract) for a, b in zip(ref_record, state_parts(cfg, run.records[0]))]
+    record = diff_parts(ref_record, state_parts(cfg, run.records[0]), contract)
     bad = next((d.violation for d in record if d.violation), None)
     c: Comparison = compare(label, ref.run, run.run, contract)
     steps = [s for s in c.violating_steps if s != "prefill"]

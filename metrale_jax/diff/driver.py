@@ -35,7 +35,8 @@ def provenance(engine) -> dict:
     return {
         "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "cpu_threads": len(os.sched_getaffinity(0)), "dtype": str(engine.dtype),
+        "cpu_threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "dtype": str(engine.dtype),
         "settings": [{"setting": p.setting, "requested": p.requested, "effective": p.effective, "rule": p.rule}
                      for p in engine.settings.provenance],
     }

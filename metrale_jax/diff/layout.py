@@ -1,7 +1,8 @@
 """The slot layout of a diff run: sequences allocated in batch order, freed in reverse.
 
-Owns: `SequenceBatch`, the context manager every run loop allocates through. With `fragment`
-it holds a spare slot before sequence n // 2; `relocate` is the swap's spill and restore.
+Owns: `SequenceBatch`, the context manager every decode and verify run allocates and prefills
+through. With `fragment` it holds a spare slot before sequence n // 2; `relocate` is the swap's
+spill and restore.
 
 Invariants:
 - The engine's slot free list is a stack, so freeing in reverse allocation order hands the next
@@ -9,13 +10,20 @@ Invariants:
 - Sequence i sits on `schedule.slot_of(i, n, fragment)`; anything else means another live
   sequence shares the engine, and the run refuses to start (`LayoutError`).
 - Every sequence (spare and spacer included) is freed on exit, also when the run raises.
+- Prompts are prefilled in chunks of `PREFILL_CHUNK` tokens, the engine's smallest prefill
+  bucket, so every prompt of every run uses one compiled prefill program per forward (the
+  prefill is not what these runs compare; `--prefill` diffs the chunking itself).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from metrale_jax.diff.schedule import slot_of
+
+PREFILL_CHUNK = 16
 
 
 class LayoutError(RuntimeError):
@@ -58,6 +66,10 @@ class SequenceBatch:
     def __exit__(self, *exc) -> None:
         self._free_all()
 
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Prefill sequence i with prompts[i]; returns the last positions' logits [n, vocab]."""
+        return np.stack([self.engine.prefill(s, p, PREFILL_CHUNK) for s, p in zip(self.seqs, prompts)])
+
     def relocate(self, records: Sequence[dict], spacer_prompt: Sequence[int]) -> list[dict]:
         """Spill and restore: free every sequence, let a spacer sequence (prefilled with
         `spacer_prompt`) take the first freed slot and KV blocks, then restore `records[i]`
@@ -66,7 +78,7 @@ class SequenceBatch:
         old = [(s.slot, list(s.blocks)) for s in self.seqs]
         self._free_all()
         spacer = self._alloc()
-        self.engine.prefill(spacer, spacer_prompt)
+        self.engine.prefill(spacer, spacer_prompt, PREFILL_CHUNK)
         self.seqs = [self._alloc() for _ in old]
         for seq, rec in zip(self.seqs, records):
             self.engine.restore_sequence_state(seq, rec)

@@ -22,12 +22,11 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
-import numpy as np
-
-from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, bounded, combine, compare, diff_parts, failure_line
+from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, bounded, combine, compare, diff_parts
 from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.progress import Progress
 from metrale_jax.diff.prompts import prompt_of_len
+from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.state import digests, state_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, selected
 
@@ -81,8 +80,8 @@ def diff_prefill(engine, variants: Sequence[Variant], *, lengths: Sequence[int],
         comparisons, timings = [], [{"variant": f"{REFERENCE}, single", "prefill_ms": ref_ms}]
         for v in forwards:
             for name, chunk in paths:
-                if v.forward == REFERENCE and v.label == REFERENCE and chunk is None:
-                    continue
+                if v is forwards[0] and chunk is None:
+                    continue  # the reference itself
                 same_split = _splits(length, chunk, cap) == _splits(length, None, cap)
                 contract = combine(v.contract, BIT_IDENTICAL if same_split else chunked)
                 with selected(engine, v.forward):

@@ -1,9 +1,11 @@
 """A diff report as JSON, and as the short human summary the command prints.
 
-Owns: `to_json` (strict JSON: numpy scalars become Python numbers, non-finite floats the
-strings "nan", "inf", "-inf") and `render_summary` (one table per prompt / width / shape /
-length: variant, contract, prefill, mismatched steps, first mismatch, max |Δ|; the control;
-the accept histogram; then the verdict and its reasons).
+Owns: the verdict's reason lines (`describe` locates a difference, `failure_line` words a
+comparison that broke its contract), `to_json` (strict JSON: numpy scalars become Python
+numbers, non-finite floats the strings "nan", "inf", "-inf") and `render_summary` (one table
+per prompt / width / shape / length: variant, contract, prefill, mismatched steps, first
+mismatch (a failing row: its first violation), max |Δ|; the control; the accept histogram;
+then the verdict and its reasons).
 
 Invariant: the summary is derived from the report alone, so `--json` and the summary never
 disagree.
@@ -16,6 +18,39 @@ import math
 from typing import Any, Optional
 
 import numpy as np
+
+from metrale_jax.diff.compare import Comparison
+
+
+def _step(loc: dict) -> str:
+    s = loc.get("step")
+    return "the prefill" if s == "prefill" else s if isinstance(s, str) else f"step {s}"
+
+
+def describe(loc: Optional[dict]) -> str:
+    """One line locating a difference: step, part, row, index, both values (hex), ULP, |Δ|."""
+    if loc is None:
+        return "nowhere"
+    step = _step(loc)
+    if "note" in loc:
+        return f"{step}: {loc['part'] + ': ' if 'part' in loc else ''}{loc['note']}"
+    text = (f"{step}, {loc['part']} row {loc['row']} index {loc['index']}: {loc['reference']!r} "
+            f"({loc['reference_hex']}) vs {loc['replay']!r} ({loc['replay_hex']})")
+    if loc.get("ulp") is not None:
+        text += f", {loc['ulp']} ULP"
+    text += f", |Δ| {loc['abs_diff']:.3g} (max {loc['max_abs_diff']:.3g})"
+    if "argmax_equal" in loc:
+        text += ", argmax " + ("agrees" if loc["argmax_equal"] else
+                               f"differs ({loc['argmax_reference']} vs {loc['argmax_replay']})")
+    return f"{text} [{loc['why']}]"
+
+
+def failure_line(where: str, c: Comparison) -> str:
+    """The verdict's reason for a comparison that broke its contract."""
+    steps = [s for s in c.violating_steps if s != "prefill"]
+    return (f"{where}, {c.variant} ({c.contract.split(':')[0]}): prefill "
+            f"{'ok' if 'prefill' not in c.violating_steps else 'differs'}, {len(steps)} of {c.steps} "
+            f"steps differ; first at {describe(c.first_violation)}")
 
 
 def _plain(x: Any) -> Any:
@@ -38,7 +73,7 @@ def _where(loc: Optional[dict]) -> str:
     """A table cell locating a difference: step, part, row and index."""
     if loc is None:
         return "-"
-    step = "prefill" if loc.get("step") == "prefill" else f"step {loc.get('step')}"
+    step = _step(loc)
     if "row" not in loc:
         return f"{step}: {loc.get('note', '')}"
     return f"{step} {loc['part']} [{loc['row']}, {loc['index']}]"
@@ -57,7 +92,8 @@ def _table(comparisons: list[dict]) -> list[str]:
         rows.append((
             c["variant"], _contract(c["contract"]),
             "equal" if c["prefill_equal"] else ("within" if "prefill" not in c["violating_steps"] else "DIFFERS"),
-            f"{c['mismatched_steps']}/{c['steps']}" if c["steps"] else "-", _where(c["first_diff"]),
+            f"{c['mismatched_steps']}/{c['steps']}" if c["steps"] else "-",
+            _where(c["first_diff"] if c["ok"] else c["first_violation"]),
             f"{c['max_abs_diff']:.3g}",
             "ok" if c["ok"] else "FAIL",
         ))
@@ -69,7 +105,10 @@ def _control(c: Optional[dict]) -> list[str]:
     if c is None:
         return []
     seen = c["mismatched_steps"] > 0 if c["steps"] else not c["prefill_equal"]
-    what = f"{c['mismatched_steps']}/{c['steps']} steps differ" if c["steps"] else "the prefill differs" if seen else "the prefill is equal"
+    if c["steps"]:
+        what = f"{c['mismatched_steps']}/{c['steps']} steps differ"
+    else:
+        what = "the prefill differs" if seen else "the prefill is equal"
     return [f"  control: {c['variant']}: {what}, first at {_where(c['first_diff'])} -> {'fired' if seen else 'BLIND'}"]
 
 
@@ -78,7 +117,8 @@ def _sections(report: dict) -> list[tuple[str, list[dict], Optional[dict], list[
     mode = report["mode"]
     out = []
     if mode == "default":
-        out = [(f"prompt {i} ({p['tokens']} tokens)", p["comparisons"], None, []) for i, p in enumerate(report["prompts"])]
+        out = [(f"prompt {i} ({p['tokens']} tokens)", p["comparisons"], None, [])
+               for i, p in enumerate(report["prompts"])]
     elif mode == "batch":
         out = [(f"batch n={w['rows']}", w["comparisons"], w["detection_control"],
                 [f"  left out (prefill differs): {w['prefill_rows_differ']}"] if any(w["prefill_rows_differ"]) else [])
@@ -91,13 +131,15 @@ def _sections(report: dict) -> list[tuple[str, list[dict], Optional[dict], list[
                          f"{s['partial_accepts']} partial)"]))
     elif mode == "prefill":
         out = [(f"prefill L={s['tokens']}", s["comparisons"], None,
-                [f"  first differing state: {c['variant']}: {c['state_diff']}" for c in s["comparisons"] if c["state_diff"]])
+                [f"  first differing state: {c['variant']}: {c['state_diff']}"
+                 for c in s["comparisons"] if c["state_diff"]])
                for s in report["lengths"]]
     else:
         moves = "; ".join(f"slot {m['slot'][0]}->{m['slot'][1]}" for m in report["moves"])
-        extra = [f"  {c['variant']}: record {'equal' if c['record_equal'] else ('within' if c['record_ok'] else 'DIFFERS')}"
-                 for c in report["comparisons"]]
-        extra += [f"  control {c['variant']}: {'fired' if c['saw_difference_after'] else 'BLIND'}" for c in report["controls"]]
+        record = {(True, True): "equal", (False, True): "within", (False, False): "DIFFERS"}
+        extra = [f"  {c['variant']}: record {record[c['record_equal'], c['record_ok']]}" for c in report["comparisons"]]
+        extra += [f"  control {c['variant']}: {'fired' if c['saw_difference_after'] else 'BLIND'}"
+                  for c in report["controls"]]
         out = [(f"swap before step {report['spill_before_step']} ({moves})",
                 [c["comparison"] for c in report["comparisons"]], None, extra)]
     if out and "detection_control" in report and mode in ("default", "prefill"):

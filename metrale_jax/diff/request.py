@@ -66,12 +66,14 @@ class DiffRequest:
             (self.fragment_slots and not (self.batch or self.verify_batch),
              "--fragment-slots applies to --batch or --verify-batch"),
             (bool(self.prefill_chunk) and not self.prefill, "--prefill-chunk needs --prefill"),
-            (self.swap and self.steps < 4, f"--swap needs at least 4 steps (two each side of the spill), got {self.steps}"),
+            (self.swap and self.steps < 4,
+             f"--swap needs at least 4 steps (two each side of the spill), got {self.steps}"),
         ]
         problems += [(n < 2, f"{flag} width {n}: a batch is at least 2 sequences")
                      for flag, ns in (("--batch", self.batch), ("--verify-batch", self.verify_batch)) for n in ns]
         problems += [(not K_RANGE[0] <= k <= K_RANGE[1], f"{flag} {k}: K must be in {K_RANGE[0]}..{K_RANGE[1]}")
-                     for flag, ks in (("--verify", self.verify), ("--verify-batch-ks", self.verify_batch_ks)) for k in ks]
+                     for flag, ks in (("--verify", self.verify), ("--verify-batch-ks", self.verify_batch_ks))
+                     for k in ks]
         problems += [(x < 1, f"{flag} {x}: must be at least 1")
                      for flag, xs in (("--prefill", self.prefill), ("--prefill-chunk", self.prefill_chunk)) for x in xs]
         for bad, message in problems:

@@ -64,14 +64,6 @@ def step_drafts(greedy: Sequence[int], pos: int, step: int, k: int, vocab: int) 
     return drafts
 
 
-def accepted(rows: Sequence[int], argmax: Sequence[int]) -> int:
-    """How many leading drafts (rows[1:]) equal the argmax of the row before them."""
-    a = 0
-    while a < len(rows) - 1 and int(argmax[a]) == int(rows[a + 1]):
-        a += 1
-    return a
-
-
 def control_row(n: int, left_out: Sequence[int]) -> int:
     """The row a batch control changes: the first from n // 2 upward (wrapping) that no
     comparison left out; n // 2 when every row was."""

@@ -84,7 +84,8 @@ def replay_all(engine, variants: Sequence[Variant], replay: Callable[[], Run]) -
     return runs
 
 
-def compare_all(variants: Sequence[Variant], reference: Run, runs: Sequence[Run]) -> tuple[list[Comparison], list[dict]]:
+def compare_all(variants: Sequence[Variant], reference: Run,
+                runs: Sequence[Run]) -> tuple[list[Comparison], list[dict]]:
     """Each variant's run against `reference` under its contract: (comparisons, timings), the
     reference's timing first."""
     comparisons = [compare(v.label, reference, r, v.contract) for v, r in zip(variants, runs)]
@@ -93,14 +94,16 @@ def compare_all(variants: Sequence[Variant], reference: Run, runs: Sequence[Run]
 
 def disclosed(engine, variants: Sequence[Variant], unavailable: Sequence[dict]) -> list[dict]:
     """The report's variants: the reference, each variant with its contract and what its
-    forward compiled (plan digest, launches per step, program count), then the unavailable."""
+    forward compiled (plan digest, launches per step, program count, the shapes its kernels
+    refused), then the unavailable."""
     out = []
-    for label, forward, contract in [(REFERENCE, REFERENCE, None)] + [(v.label, v.forward, v.contract) for v in variants]:
+    rows = [(REFERENCE, REFERENCE, None)] + [(v.label, v.forward, v.contract) for v in variants]
+    for label, forward, contract in rows:
         d = engine.disclosure(forward)
         out.append({
             "name": label, "forward": forward, "available": True,
             "contract": "reference" if contract is None else contract.describe(),
             "plan_digest": d["plan_digest"], "launches_per_step": d["launches_per_step"],
-            "programs": len(d["programs"]),
+            "programs": len(d["programs"]), "refusals": d.get("refusals", []),
         })
     return out + [{"name": u["name"], "available": False, "reason": u["reason"]} for u in unavailable]

@@ -13,32 +13,36 @@ committed context. A step's parts: the R = Σ K verify logits rows, then (drafte
 draft position's logits, the drafts and their confidences.
 
 Invariants:
-- The reference's drafts are each sequence's greedy continuation with one corrupted on odd
-  steps (offset by the sequence's index), so full and partial accepts both occur; every other
-  run replays the reference's logged tokens and accept counts and never recomputes them.
+- The reference's drafts are each sequence's greedy continuation (plain greedy decoding of the
+  same prompts, `decode.run_decode`) with one corrupted on odd steps (offset by the sequence's
+  index), so full and partial accepts both occur; every other run replays the reference's
+  logged tokens and accept counts and never recomputes them.
 - A shape whose reference saw no full accept or no partial accept fails ("it needs both").
 - The control (reference forward) changes the last draft of sequence n // 2 halfway.
+- With the drafter, two identical one-step reference runs go first at each width: the original
+  discarded its process's first run because that first propose differed; here the drafter's
+  state is a pure function of the steps, so the two must agree, and `drafter_warmup` reports
+  whether they did (and so whether a run was discarded).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Optional, Sequence
 
-import numpy as np
-
-from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, compare, failure_line, saw_difference
+from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, compare, saw_difference
+from metrale_jax.diff.decode import run_decode
 from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.progress import Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
+from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.schedule import (
-    accept_coverage, accept_histogram, accepted, batch_shapes, capped, dedup_consecutive, offsets, slot_of,
+    accept_coverage, accept_histogram, batch_shapes, capped, dedup_consecutive, offsets, slot_of,
     step_drafts,
 )
+from metrale_jax.engine.speculative import accepted_drafts as accepted
 from metrale_jax.diff.variants import REFERENCE, Variant, compare_all, replay_all
-from metrale_jax.engine.speculative import greedy_generate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,7 @@ def run_verify(engine, rows: Sequence[Sequence[int]], ks: Sequence[int], steps: 
     run = Run(prefill=[])
     with SequenceBatch(engine, n, fragment) as batch:
         seqs = batch.seqs
-        first = np.stack([engine.prefill(s, p) for s, p in zip(seqs, rows)])
+        first = batch.prefill(rows)
         run.prefill = [Part("logits", first, "logits")]
         last = [int(x) for x in first.argmax(axis=1)]
         pos = [0] * n
@@ -105,6 +109,13 @@ def run_verify(engine, rows: Sequence[Sequence[int]], ks: Sequence[int], steps: 
     return out, run
 
 
+def _changed(log: Sequence[Logged], at: int, row: int, vocab: int) -> list[Logged]:
+    """`log` with flat row `row`'s token at step `at` bumped by one (accepts unchanged)."""
+    tokens = list(log[at].tokens)
+    tokens[row] = (tokens[row] + 1) % vocab
+    return [dataclasses.replace(x, tokens=tuple(tokens)) if s == at else x for s, x in enumerate(log)]
+
+
 def verify_plan(engine, *, single_ks: Sequence[int] = (), widths: Sequence[int] = (), ks: Sequence[int] = (),
                 fragment: bool = False) -> list[tuple[list[list[int]], list[list[int]]]]:
     """[(prompts, shapes)]: `--verify` runs prompt 0 alone at each K in `single_ks`;
@@ -129,14 +140,15 @@ def diff_verify(engine, variants: Sequence[Variant], plan, *, steps: int, fragme
     sections, warmups, reasons = [], [], []
     for rows, shapes in plan:
         n = len(rows)
-        greedy = greedy_generate(engine, rows, steps * max(max(s) for s in shapes) + 1)
+        greedy = run_decode(engine, rows, steps * max(max(s) for s in shapes)).tokens
         for j, ks in enumerate(shapes):
             where = f"verify K={ks[0]}" if single else f"verify-batch n={n} ks={ks}"
             probe = mtp and j == 0
             progress.section(where, (len(variants) + 2) * (steps + 1) + 4 * probe)
 
             def reference(k=steps):
-                return run_verify(engine, rows, ks, k, greedy=greedy, fragment=fragment, num_drafts=nd, progress=progress)
+                return run_verify(engine, rows, ks, k, greedy=greedy, fragment=fragment, num_drafts=nd,
+                                  progress=progress)
 
             if probe:
                 equal = compare("first propose", reference(1)[1], reference(1)[1], BIT_IDENTICAL).ok
@@ -146,10 +158,7 @@ def diff_verify(engine, variants: Sequence[Variant], plan, *, steps: int, fragme
                 engine, rows, ks, steps, log=log, fragment=fragment, num_drafts=nd, progress=progress)[1])
             comparisons, timings = compare_all(variants, ref, runs)
             at, row = steps // 2, offsets(ks)[n // 2] + ks[n // 2] - 1
-            changed = copy.deepcopy(log)
-            tokens = list(changed[at].tokens)
-            tokens[row] = (tokens[row] + 1) % engine.cfg.vocab_size
-            changed[at] = Logged(tuple(tokens), changed[at].accepted)
+            changed = _changed(log, at, row, engine.cfg.vocab_size)
             _, r = run_verify(engine, rows, ks, steps, log=changed, fragment=fragment, num_drafts=nd, progress=progress)
             control = compare(f"{REFERENCE}, one draft changed (step {at}, row {row})", ref, r, BIT_IDENTICAL)
             acc = [list(x.accepted) for x in log]

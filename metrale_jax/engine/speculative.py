@@ -63,8 +63,9 @@ class GenerationResult:
         return sum(sum(a + 1 for a in s.accepted) for s in self.steps)
 
 
-def _accepted(rows: Sequence[int], argmax: Sequence[int]) -> int:
-    """Leading drafts (rows[1:]) equal to the argmax of the row before them."""
+def accepted_drafts(rows: Sequence[int], argmax: Sequence[int]) -> int:
+    """Greedy acceptance: how many leading drafts (rows[1:]) equal the argmax of the row before
+    them (rows = [last, d1, ...] of one sequence, argmax = that sequence's verify argmaxes)."""
     a = 0
     while a < len(rows) - 1 and int(argmax[a]) == int(rows[a + 1]):
         a += 1
@@ -143,7 +144,7 @@ def speculative_generate(
             rows = [[last[i], *drafts[i]] for i in active]
             _, argmax = engine.verify_batched(batch, [t for r in rows for t in r], ks)
             off = np.concatenate([[0], np.cumsum(ks)])
-            na = [_accepted(rows[j], argmax[off[j] : off[j + 1]]) for j in range(len(active))]
+            na = [accepted_drafts(rows[j], argmax[off[j] : off[j + 1]]) for j in range(len(active))]
             if engine.drafter:
                 engine.stash_verify_hidden_rows(batch, [int(off[j]) + na[j] for j in range(len(active))])
             engine.gdn_fold_accepted(batch, [a + 1 for a in na], ks)
