@@ -1,8 +1,10 @@
 """`metrale-jax memory`: will this serve fit this device at this workload, and how far does it go?
 
 Owns only argument handling and the order of the steps; the counts are the engine's
-(`capacity`), the bytes the allocator's (`pool.allocate_pool`, traced abstractly), the settings
-the serve's own (`recipes` + `serve_options` + `resolve_settings`).
+(`capacity`), the bytes the allocator's (`pool.allocate_pool`, traced abstractly), the
+activations XLA's memory analysis of the engine's step programs compiled for this machine's
+backend (cached on disk; `--no-activations` skips them), the settings the serve's own
+(`recipes` + `serve_options` + `resolve_settings`).
 
 Invariant: every user error prints one line per problem (`error: ...`) on stderr and exits 2.
 """
@@ -20,6 +22,7 @@ from metrale_jax.engine.settings import (
     resolve_settings,
 )
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
+from metrale_jax.memory.activations import ActivationModel
 from metrale_jax.memory.advice import concurrency_answer, isl_answer, warnings_for
 from metrale_jax.memory.devices import find_device
 from metrale_jax.memory.errors import PlanError
@@ -45,8 +48,10 @@ def _parse_slots(text: str | None) -> int | str | None:
 
 
 def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, recipe: str | None,
-         slots: str | None, dtype: str | None, root: Path, engine_flags: tuple[str, ...]) -> Report:
-    """Resolve everything the command names and evaluate it. Raises the user-error types."""
+         slots: str | None, dtype: str | None, root: Path, engine_flags: tuple[str, ...],
+         activations: bool = True) -> Report:
+    """Resolve everything the command names and evaluate it. Raises the user-error types.
+    `activations=False` skips compiling the step programs (no activation term is charged)."""
     dev = find_device(device)
     slots_arg = _parse_slots(slots)
     source = resolve_model(checkpoint, root)
@@ -54,13 +59,16 @@ def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, rec
     _, raw = parse_serve_argv(argv)
     settings = resolve_settings(raw, source.behavior, auto_slots=min(concurrency, AUTO_MAX_SLOTS))
     served = parse_dtype(dtype or source.dtype)
+    model = ActivationModel(source.config, served) if activations else None
     planner = Planner(
         config=source.config, settings=settings, device=dev, dtype=served,
         weights=weight_terms(source, served), slots=slots_arg,
         follow_auto=str(raw.get("max_batch_size", "")).strip() == "auto",
+        activations=model,
     )
     w = Workload(concurrency, isl, osl)
     ev = planner.evaluate(w)
+    answers = concurrency_answer(planner, w), isl_answer(planner, w)
     table = settings.provenance
     if slots_arg is not None:
         table += (Provenance("--slots", str(slots_arg), str(ev.counts.real_slots),
@@ -77,9 +85,12 @@ def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, rec
         device=dev,
         settings_table=table,
         evaluation=ev,
-        max_concurrency=concurrency_answer(planner, w),
-        max_isl=isl_answer(planner, w),
+        max_concurrency=answers[0],
+        max_isl=answers[1],
         warnings=warnings_for(planner, ev),
+        activation_run=None if model is None else {
+            "compiled": model.compiled, "compile_seconds": round(model.compile_seconds, 3),
+            "cache_hits": model.cache_hits, "cache_dir": str(model.cache_dir)},
     )
 
 
@@ -98,16 +109,20 @@ def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, rec
 @click.option("--root", "root", type=click.Path(file_okay=False, path_type=Path),
               default=REPO_RECIPES_DIR, show_default=True, help="Recipes directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--no-activations", "no_activations", is_flag=True,
+              help="Skip the activation term (compiling the step programs; cached on disk under "
+                   "$METRALE_JAX_ACTIVATIONS_CACHE or ~/.cache/metrale-jax/activations).")
 @click.argument("engine_flags", nargs=-1, type=click.UNPROCESSED)
 @user_errors
 def memory(checkpoint, device, isl, osl, concurrency, recipe, slots, dtype, root, as_json,
-           engine_flags):
+           no_activations, engine_flags):
     """Plan a serve's device memory without a device: weights, every engine pool at ISL+OSL and
-    CONCURRENCY, the verdict against DEVICE's budget, and the largest concurrency and ISL that
-    fit. Serve flags after `--` override the recipe's (e.g. `-- --speculative --num-drafts 3`)."""
+    CONCURRENCY, the step programs' activations (XLA's memory analysis, compiled for this
+    machine's backend), the verdict against DEVICE's budget, and the largest concurrency and ISL
+    that fit. Serve flags after `--` override the recipe's (e.g. `-- --speculative --num-drafts 3`)."""
     try:
         report = plan(checkpoint, device, isl, osl, concurrency, recipe, slots, dtype, root,
-                      engine_flags)
+                      engine_flags, activations=not no_activations)
     except SettingsError as e:
         for message in e.messages:
             click.echo(f"error: {message}", err=True)

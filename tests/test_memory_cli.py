@@ -1,6 +1,8 @@
 """`metrale-jax memory`: the planner end to end, its inverse queries, warnings and refusals.
 
 Every bad input must give exit code 2 and one `error:` line per problem on stderr.
+These runs skip the activations (`--no-activations`: compiling the step programs); they have
+their own tests in test_memory_activations.py.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ MODELS = REPO_RECIPES_DIR / "models"
 
 
 def run(*args: str):
-    return CliRunner().invoke(memory, list(args))
+    return CliRunner().invoke(memory, ["--no-activations", *args])
 
 
 def tiny(*extra: str, isl="100", osl="50", c="4", recipe="metrale-jax/tiny-mtp"):
@@ -115,11 +117,12 @@ def test_json_report_is_versioned_and_consistent():
     r = tiny("--json")
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["schema"] == "metrale-jax.memory/1"
+    assert d["schema"] == "metrale-jax.memory/2"
     t = d["totals"]
     assert t["pools"] == {g: sum(p["bytes"] for p in d["pools"] if p["group"] == g)
                           for g in t["pools"]}
     assert t["weights"] == sum(w["bytes"] for w in d["weights"])
+    assert t["activations"] == 0 and d["activations"] is None
     assert t["device_total"] == t["weights"] + sum(t["pools"].values()) + t["runtime_reserve"]
     assert t["headroom"] == t["budget"] - t["device_total"] and t["fits"] is True
     assert t["budget"] == int(143771 * MIB * 0.9)

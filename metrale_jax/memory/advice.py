@@ -42,15 +42,15 @@ def concurrency_answer(planner: Planner, w: Workload) -> Answer:
     widest = planner.widest_concurrency(w.concurrency)
     n = planner.max_concurrency(w.isl, w.osl, w.concurrency)
     if n is None:
-        one = planner.evaluate(Workload(1, w.isl, w.osl))
+        one = planner.probe(Workload(1, w.isl, w.osl))
         return Answer(None, f"one sequence needs {mib(one.device_total)} of a "
                             f"{mib(one.budget)} budget")
     if n == widest:
         why = ("the widest batch" if planner.slots_follow_concurrency
                else "the serve's slots; each slot's pools are allocated whatever the load")
         return Answer(n, f"the search stops at {widest}, {why}")
-    before = planner.evaluate(Workload(n, w.isl, w.osl))
-    after = planner.evaluate(Workload(n + 1, w.isl, w.osl))
+    before = planner.probe(Workload(n, w.isl, w.osl))
+    after = planner.probe(Workload(n + 1, w.isl, w.osl))
     return Answer(n, _binding_note(before, after, f"sequence {n + 1}"))
 
 
@@ -62,8 +62,8 @@ def isl_answer(planner: Planner, w: Workload) -> Answer:
         return Answer(None, "not even a 1-token prompt fits")
     if n == hi:
         return Answer(n, f"every prompt up to --max-seq-len − OSL = {hi} fits")
-    before = planner.evaluate(Workload(w.concurrency, n, w.osl))
-    after = planner.evaluate(Workload(w.concurrency, n + 1, w.osl))
+    before = planner.probe(Workload(w.concurrency, n, w.osl))
+    after = planner.probe(Workload(w.concurrency, n + 1, w.osl))
     return Answer(n, _binding_note(before, after, f"ISL {n + 1}"))
 
 
@@ -98,6 +98,10 @@ def warnings_for(planner: Planner, ev: Evaluation) -> tuple[str, ...]:
         out.append(f"the serve holds {c.real_slots} slots for a concurrency of "
                    f"{w.concurrency}: {c.real_slots - w.concurrency} slots' pools sit idle")
     util = s.gpu_memory_utilization
+    act = ev.activations
+    if act is not None and act.backend != "gpu":
+        out.append(f"activations are XLA's analysis of the step programs compiled for "
+                   f"{act.label}, not for {planner.device.id}: scratch differs between backends")
     if util > planner.device.util_ceiling:
         out.append(f"--gpu-memory-utilization {util} is above {planner.device.id}'s ceiling "
                    f"{planner.device.util_ceiling}"

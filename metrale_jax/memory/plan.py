@@ -7,9 +7,13 @@ and the two inverse queries (largest concurrency, longest ISL).
 Invariants:
 - No byte count is computed here: pool bytes are the shapes and dtypes `allocate_pool` builds
   (traced abstractly with `jax.eval_shape`), unit counts come from `capacity.pool_counts`,
-  weight bytes from `metrale_jax.memory.weights`; this module only sums them.
-- Every probe of an inverse query is a full evaluation (slots and counts recomputed).
-- `device_total = weights + pools + runtime reserve`; fits iff `budget − device_total ≥ 0`.
+  weight bytes from `metrale_jax.memory.weights`, activation bytes from XLA's memory analysis of
+  the compiled step programs (`metrale_jax.memory.activations`); this module only sums them.
+- Every probe of an inverse query is a full evaluation (slots and counts recomputed); its
+  activations are compiled once per distinct shape set, or interpolated in the KV block counts
+  from its family's compiled anchor (`ActivationModel.at(exact=False)`).
+- `device_total = weights + pools + activations + runtime reserve` (activations 0 when skipped);
+  fits iff `budget − device_total ≥ 0`.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import pool
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS, PoolCounts, pool_counts
 from metrale_jax.engine.settings import EngineSettings
+from metrale_jax.memory.activations import Activations, ActivationModel
 from metrale_jax.memory.devices import Device, runtime_reserve, util_budget
 from metrale_jax.memory.errors import PlanError
 
@@ -67,6 +72,12 @@ class Evaluation:
     pools: tuple[Term, ...]
     budget: int
     runtime: int
+    activations: Activations | None = None
+
+    @property
+    def activation_bytes(self) -> int:
+        """The charged activation figure (the peak step program); 0 when not computed."""
+        return self.activations.bytes if self.activations is not None else 0
 
     @property
     def weight_bytes(self) -> int:
@@ -78,7 +89,7 @@ class Evaluation:
 
     @property
     def device_total(self) -> int:
-        return self.weight_bytes + self.pool_bytes + self.runtime
+        return self.weight_bytes + self.pool_bytes + self.activation_bytes + self.runtime
 
     @property
     def headroom(self) -> int:
@@ -97,8 +108,10 @@ class Evaluation:
 
 
 def growth(before: Evaluation, after: Evaluation) -> tuple[str, int, int]:
-    """Between two evaluations: `(the pool group that grew most, its growth, total growth)`."""
-    a, b = before.groups(), after.groups()
+    """Between two evaluations: `(the pool group, or "activations", that grew most, its growth,
+    total growth)`."""
+    a = {**before.groups(), "activations": before.activation_bytes}
+    b = {**after.groups(), "activations": after.activation_bytes}
     deltas = {g: b.get(g, 0) - a.get(g, 0) for g in {*a, *b}}
     group = max(sorted(deltas), key=lambda g: deltas[g])
     return group, deltas[group], after.device_total - before.device_total
@@ -151,6 +164,7 @@ class Planner:
     `slots`: the `--slots` what-if (an int, "auto" to follow the concurrency, or None to follow
     `--max-batch-size`); `follow_auto` says the serve asked for `--max-batch-size auto`.
     `pools` computes the pool terms (the engine's allocator; replaceable in tests).
+    `activations`: the step programs' activation model (None: activations not computed).
     """
 
     config: ModelConfig
@@ -161,6 +175,7 @@ class Planner:
     slots: int | str | None = None
     follow_auto: bool = False
     pools: Callable[[ModelConfig, PoolCounts, EngineSettings, Any], tuple[Term, ...]] = pool_terms
+    activations: ActivationModel | None = None
 
     @property
     def slots_follow_concurrency(self) -> bool:
@@ -190,8 +205,11 @@ class Planner:
                     f"{self.settings.max_seq_len}")
         return None
 
-    def evaluate(self, w: Workload) -> Evaluation:
-        """Every term at `w`. Raises Refused when the serve cannot run `w`."""
+    def evaluate(self, w: Workload, *, exact: bool = True) -> Evaluation:
+        """Every term at `w`. Raises Refused when the serve cannot run `w`.
+
+        `exact`: compile the step programs at `w`'s own shapes (unless known); False (a probe)
+        lets a probe of an already-compiled family be interpolated in the KV block counts."""
         reason = self.refusal(w)
         if reason is not None:
             raise Refused(reason)
@@ -206,11 +224,17 @@ class Planner:
             pools=self.pools(self.config, counts, settings, self.dtype),
             budget=budget,
             runtime=runtime_reserve(budget),
+            activations=(self.activations.at(settings, counts, exact=exact)
+                         if self.activations is not None else None),
         )
+
+    def probe(self, w: Workload) -> Evaluation:
+        """`evaluate(w, exact=False)`: the evaluation an inverse query's probe sees."""
+        return self.evaluate(w, exact=False)
 
     def fits(self, w: Workload) -> bool:
         """`w` is runnable and its evaluation fits the budget."""
-        return self.refusal(w) is None and self.evaluate(w).fits
+        return self.refusal(w) is None and self.probe(w).fits
 
     def widest_concurrency(self, concurrency: int) -> int:
         """The top of the max-concurrency search: 128 when slots follow the concurrency, else

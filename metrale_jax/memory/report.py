@@ -19,13 +19,17 @@ from metrale_jax.memory.advice import Answer
 from metrale_jax.memory.devices import GIB, MIB, Device
 from metrale_jax.memory.plan import Evaluation
 
-JSON_SCHEMA = "metrale-jax.memory/1"
+#: /2: activations (XLA memory analysis of the step programs) added and charged in
+#: `totals.device_total`.
+JSON_SCHEMA = "metrale-jax.memory/2"
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
     """One plan: what was asked (checkpoint, recipe, flags, device, workload), the settings
-    table, the evaluation at the workload, the two inverse answers and the warnings."""
+    table, the evaluation at the workload, the two inverse answers and the warnings.
+    `activation_run`: how the activations were obtained (programs compiled, seconds, cache hits,
+    cache directory), or None when skipped (`--no-activations`)."""
 
     checkpoint: str
     config_from: str
@@ -40,6 +44,7 @@ class Report:
     max_concurrency: Answer
     max_isl: Answer
     warnings: tuple[str, ...]
+    activation_run: dict[str, Any] | None = None
 
 
 def _mib(n: int) -> str:
@@ -67,9 +72,33 @@ def _total_rows(r: Report) -> list[tuple[str, str]]:
     if r.outside_bytes:
         rows.append(("  checkpoint tensors never loaded (not charged)", _mib(r.outside_bytes)))
     rows += [(f"pools: {g}", _mib(b)) for g, b in ev.groups().items()]
+    if ev.activations is None:
+        rows.append(("activations (not computed: --no-activations)", _mib(0)))
+    else:
+        rows.append((f"activations (peak program: {ev.activations.peak.name})",
+                     _mib(ev.activation_bytes)))
     rows += [("runtime reserve", _mib(ev.runtime)), ("device total", _mib(ev.device_total)),
              ("budget", _mib(ev.budget))]
     return rows
+
+
+def _activation_lines(r: Report) -> list[str]:
+    act = r.evaluation.activations
+    if act is None:
+        return ["## Activations: not computed (--no-activations); not charged"]
+    run = r.activation_run or {}
+    lines = [f"## Activations (XLA memory analysis of the step programs; backend {act.label}, "
+             f"forward {act.forward}, jax {act.jax_version}) (MiB)",
+             *_table(("program", "transition", "shape", "scratch", "fresh outputs", "MiB",
+                      "source"),
+                     [(p.name, p.transition, p.shape, _mib(p.temp), _mib(p.outputs),
+                       _mib(p.bytes), p.how) for p in act.programs], right=(3, 4, 5))]
+    lines.append(f"Charged: the peak program, {act.peak.name}, {_mib(act.bytes)} MiB"
+                 + (f" ({act.note})" if act.note else "") + ".")
+    if run:
+        lines.append(f"Compiled {run['compiled']} program(s) in {run['compile_seconds']:.1f} s, "
+                     f"{run['cache_hits']} from the cache ({run['cache_dir']}).")
+    return lines
 
 
 def render_text(r: Report) -> str:
@@ -107,6 +136,8 @@ def render_text(r: Report) -> str:
                 [(t.name, t.group, "x".join(map(str, t.shape)) or "-", t.dtype, _mib(t.bytes))
                  for t in ev.pools], right=(4,)),
         "",
+        *_activation_lines(r),
+        "",
         "## Totals (MiB)",
         *_table(("term", "MiB"), _total_rows(r), right=(1,)),
         "",
@@ -125,6 +156,21 @@ def render_text(r: Report) -> str:
     if r.warnings:
         out += ["", "## Warnings", *(f"- {x}" for x in r.warnings)]
     return "\n".join(out) + "\n"
+
+
+def _activations_json(r: Report) -> dict[str, Any] | None:
+    act = r.evaluation.activations
+    if act is None:
+        return None
+    return {
+        "backend": act.backend, "device_kind": act.device_kind, "forward": act.forward,
+        "jax": act.jax_version,
+        "programs": [{"program": p.name, "transition": p.transition, "shape": p.shape,
+                      "temp_bytes": p.temp, "output_bytes": p.outputs, "bytes": p.bytes,
+                      "source": p.how} for p in act.programs],
+        "peak_program": act.peak.name, "bytes": act.bytes, "note": act.note,
+        "run": r.activation_run,
+    }
 
 
 def render_json(r: Report) -> str:
@@ -149,7 +195,9 @@ def render_json(r: Report) -> str:
                     for t in ev.weights],
         "pools": [{"pool": t.name, "group": t.group, "shape": list(t.shape), "dtype": t.dtype,
                    "bytes": t.bytes} for t in ev.pools],
-        "totals": {"weights": ev.weight_bytes, "pools": groups, "runtime_reserve": ev.runtime,
+        "activations": _activations_json(r),
+        "totals": {"weights": ev.weight_bytes, "pools": groups,
+                   "activations": ev.activation_bytes, "runtime_reserve": ev.runtime,
                    "device_total": ev.device_total, "budget": ev.budget,
                    "headroom": ev.headroom, "fits": ev.fits},
         "largest_pool": ({"group": next(iter(groups)), "bytes": next(iter(groups.values()))}

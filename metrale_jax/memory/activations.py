@@ -1,0 +1,388 @@
+"""Activation memory for the planner: XLA's own memory analysis of the engine's compiled step programs.
+
+Owns: the serve's step programs as abstract calls (`step_programs`: the transitions the `Engine`
+runs, with the arguments it passes, as `jax.ShapeDtypeStruct`s — nothing is allocated), their
+compilation for the default backend exactly as `engine.programs.ProgramCache` compiles them
+(`jax.jit(partial(fn, **static), donate_argnums=(0,)).lower(*args).compile()`), the on-disk
+cache of each program's `memory_analysis()`, and the affine model the inverse queries' probes use.
+
+What is charged: per program, `temp_size_in_bytes` (XLA's scratch) plus the outputs that do not
+alias the donated pool (`output_size_in_bytes − alias_size_in_bytes`: logits, argmax, hidden
+rows); the arguments (weights and pools) are charged elsewhere. The activation figure is the
+peak over the programs (they run one at a time).
+
+The programs, at the serve's largest shapes (`PoolCounts` of the evaluation):
+- prefill: `transitions.prefill_chunk` over one chunk of `counts.prefill_chunk` tokens (the
+  Engine's largest prefill bucket);
+- decode / verify: `transitions.step_rows` at `bucket_width(real_slots)` sequences, T = 1 / K;
+- propose: `transitions.propose` at that width with `num_drafts` drafts (drafter serves only).
+
+Invariants:
+- Results are labelled with the backend they were compiled for (`jax.default_backend()` and the
+  device kind): XLA's scratch differs between backends.
+- A program's analysis is cached on disk under a key of everything that determines the
+  compiled program (program, model config, counts, argument shapes and dtypes, static flags,
+  forward, JAX/jaxlib versions, backend, and a digest of the engine and model sources), so a
+  warm evaluation compiles nothing.
+- Within one "family" (every shape but the two paged-KV block counts), an evaluation asked for
+  exactly is compiled at its own shapes (the first becomes the family's anchor); a probe
+  (`exact=False`) of the same family is the anchor plus slopes per KV block and per drafter KV
+  block, each measured by compiling the anchor with only that block count moved to the other
+  end of the serve's range (1 or `max_seq_len` tokens). XLA's scratch holds copies of KV slices,
+  so it grows with the blocks. Measured on CPU: decode, verify and propose are exactly affine
+  (tiny and the 80B); prefill is within 0.002% (80B) and 0.9% (tiny, whose scratch XLA packs
+  differently at few blocks) of the program compiled at the probe's own shapes.
+- A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.engine import transitions as tr
+from metrale_jax.engine.capacity import PoolCounts, bucket_width, pool_counts
+from metrale_jax.engine.pool import allocate_pool
+from metrale_jax.engine.settings import EngineSettings
+from metrale_jax.model.layout import stack_layer_groups
+from metrale_jax.params import init_params
+
+#: The environment variable naming the cache directory (default `$XDG_CACHE_HOME` or
+#: `~/.cache`, then `metrale-jax/activations`).
+CACHE_ENV = "METRALE_JAX_ACTIVATIONS_CACHE"
+#: Bumped whenever a cache entry's meaning or the key's composition changes.
+CACHE_VERSION = 1
+_PACKAGE = Path(__file__).resolve().parents[1]
+#: Sources that define the compiled programs; their digest is part of every cache key.
+_SOURCES = ("engine", "model", "params.py", "config.py")
+
+HOW_COMPILED = "compiled"
+HOW_CACHED = "cache"
+HOW_INTERPOLATED = "interpolated"
+
+
+def default_cache_dir() -> Path:
+    """`$METRALE_JAX_ACTIVATIONS_CACHE`, else `$XDG_CACHE_HOME/metrale-jax/activations`, else
+    `~/.cache/metrale-jax/activations`."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "metrale-jax" / "activations"
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(forward: str) -> str:
+    """sha256 (16 hex) of the engine, model, params and config sources (and the Pallas kernels
+    for the `pallas` forward)."""
+    roots = [_PACKAGE / s for s in _SOURCES]
+    if forward == "pallas":
+        roots.append(_PACKAGE.parent / "kernels_pallas")
+    h = hashlib.sha256()
+    for root in roots:
+        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+        for f in files:
+            h.update(f.relative_to(_PACKAGE.parent).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def backend_label() -> tuple[str, str]:
+    """(`jax.default_backend()`, the first device's kind), e.g. ("cpu", "cpu")."""
+    return jax.default_backend(), jax.devices()[0].device_kind
+
+
+# ---------------------------------------------------------------- the abstract step programs
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """One transition call as the Engine makes it: report `name`, the `ProgramCache` name
+    (`transition`), the function, its static keywords and its abstract arguments (pool first)."""
+
+    name: str
+    transition: str
+    fn: Callable
+    static: dict
+    args: tuple
+    shape: str
+
+
+def step_programs(config: ModelConfig, counts: PoolCounts, settings: EngineSettings, params: Any,
+                  pool: Any, ops: Any) -> tuple[StepProgram, ...]:
+    """The serve's step programs at its largest shapes, with the arguments `Engine.prefill`,
+    `Engine._rows` and `Engine.propose_batched` pass (`params` and `pool` abstract)."""
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    drafter = counts.speculative and config.num_mtp_layers > 0
+    mb = counts.max_blocks_per_seq
+    mbd = settings.max_seq_len // counts.draft_block_size + 2  # Engine.mbd
+    st = dict(cfg=config, counts=counts, ops=ops)
+    tb = counts.prefill_chunk  # Engine._prefill_bucket of a full chunk
+    one = S((1,), i32)
+    out = [StepProgram("prefill", "prefill_chunk", tr.prefill_chunk, dict(st, drafter=drafter),
+                       (pool, params, S((1, tb), i32), one, one, one, S((1, mb), i32),
+                        S((1, mbd), i32)), f"1x{tb} tokens")]
+    w = bucket_width(counts.real_slots)
+    v = S((w,), i32)
+    for verify in (False, True) if counts.speculative else (False,):
+        t = counts.k if verify else 1
+        out.append(StepProgram(
+            "verify" if verify else "decode", "step_rows", tr.step_rows,
+            dict(st, verify=verify, drafter=drafter),
+            (pool, params, S((w, t), i32), v, v, v, S((w, mb), i32), S((w, mbd), i32), v, v,
+             S((w * t,), i32)), f"{w}x{t} rows"))
+    if drafter:
+        out.append(StepProgram(
+            "propose", "propose", tr.propose, dict(st, num_drafts=settings.num_drafts),
+            (pool, params, v, v, v, S((w, mbd), i32), S((w,), jnp.bool_)),
+            f"{w} seqs x {settings.num_drafts} drafts"))
+    return tuple(out)
+
+
+def compile_program(p: StepProgram):
+    """Lower and compile `p` exactly as `ProgramCache.run` does (pool donated)."""
+    return jax.jit(functools.partial(p.fn, **p.static), donate_argnums=(0,)).lower(*p.args).compile()
+
+
+def _signature(tree: Any) -> list:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return [str(treedef), [[list(x.shape), str(x.dtype)] for x in leaves]]
+
+
+def _static_text(static: dict) -> dict:
+    """The static keywords as stable text (dataclasses as their field dicts, ops by class;
+    `PoolCounts.kv_tokens`, which no transition reads, left out so workloads sharing the block
+    counts share the entry)."""
+    out = {}
+    for k, v in sorted(static.items()):
+        if isinstance(v, PoolCounts):
+            v = dataclasses.replace(v, kv_tokens=0)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out[k] = repr(dataclasses.asdict(v))
+        elif isinstance(v, (bool, int, float, str)):
+            out[k] = v
+        else:
+            out[k] = type(v).__qualname__
+    return out
+
+
+# ---------------------------------------------------------------- results
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """One program's activation bytes at one shape set: XLA scratch (`temp`) and the outputs not
+    aliased onto the donated pool (`outputs`); `how`: compiled, cache or interpolated."""
+
+    name: str
+    transition: str
+    shape: str
+    temp: int
+    outputs: int
+    how: str
+
+    @property
+    def bytes(self) -> int:
+        return self.temp + self.outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """The step programs' activation bytes at one evaluation, and what they were compiled for."""
+
+    backend: str
+    device_kind: str
+    forward: str
+    jax_version: str
+    programs: tuple[ProgramMemory, ...]
+    note: str = ""
+
+    @property
+    def peak(self) -> ProgramMemory:
+        return max(self.programs, key=lambda p: p.bytes)
+
+    @property
+    def bytes(self) -> int:
+        """The activation figure: the peak program's scratch + fresh outputs."""
+        return self.peak.bytes if self.programs else 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} ({self.device_kind})"
+
+
+# ---------------------------------------------------------------- the model
+
+class ActivationModel:
+    """Activation bytes of a model's step programs at any `(settings, counts)`, compiled at most
+    once per distinct shape set (memory, then disk cache), interpolated for probes.
+
+    `programs`: the report names to evaluate (default all; tests may restrict).
+    Counters: `compiled` (programs compiled by this process), `compile_seconds`, `cache_hits`.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: Any, *, forward: str = "xla",
+                 cache_dir: Path | None = None, programs: tuple[str, ...] | None = None):
+        self.config = config
+        self.dtype = dtype
+        self.forward = forward
+        self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+        self.only = programs
+        self.compiled = 0
+        self.compile_seconds = 0.0
+        self.cache_hits = 0
+        self.backend, self.device_kind = backend_label()
+        self._ops = None
+        self._params = None
+        self._points: dict[tuple, dict[str, ProgramMemory]] = {}
+        self._anchor: dict[tuple, PoolCounts] = {}
+
+    # -- inputs
+
+    @property
+    def ops(self):
+        if self._ops is None:
+            from metrale_jax.engine.engine import make_ops
+
+            self._ops = make_ops(self.forward)
+        return self._ops
+
+    @property
+    def params(self):
+        """The Engine's parameter tree (scan layout), abstract."""
+        if self._params is None:
+            cfg, dtype = self.config, self.dtype
+            self._params = jax.eval_shape(
+                lambda: stack_layer_groups(init_params(cfg, 0, dtype), cfg))
+        return self._params
+
+    def programs_at(self, settings: EngineSettings, counts: PoolCounts) -> tuple[StepProgram, ...]:
+        """The abstract step programs at `counts` (pool traced with `allocate_pool`)."""
+        cfg, dtype = self.config, self.dtype
+        pool = jax.eval_shape(lambda: allocate_pool(cfg, counts, settings, dtype=dtype))
+        progs = step_programs(cfg, counts, settings, self.params, pool, self.ops)
+        return tuple(p for p in progs if self.only is None or p.name in self.only)
+
+    # -- one shape set, exactly
+
+    def _key(self, p: StepProgram) -> str:
+        doc = {
+            "version": CACHE_VERSION, "program": p.name, "transition": p.transition,
+            "args": _signature(p.args), "static": _static_text(p.static), "forward": self.forward,
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": [self.backend, self.device_kind],
+            "source": source_digest(self.forward),
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+    def _read(self, key: str) -> dict | None:
+        try:
+            return json.loads((self.cache_dir / f"{key}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write(self, key: str, entry: dict) -> None:
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.cache_dir / f".{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(entry, indent=1))
+            os.replace(tmp, self.cache_dir / f"{key}.json")
+        except OSError:
+            pass  # an unwritable cache costs a recompile next time, nothing else
+
+    def _analyse(self, p: StepProgram) -> ProgramMemory:
+        key = self._key(p)
+        entry = self._read(key)
+        how = HOW_CACHED
+        if entry is None:
+            t0 = time.perf_counter()
+            ma = compile_program(p).memory_analysis()
+            seconds = time.perf_counter() - t0
+            self.compiled += 1
+            self.compile_seconds += seconds
+            entry = {"program": p.name, "shape": p.shape, "backend": self.backend,
+                     "device_kind": self.device_kind, "jax": jax.__version__,
+                     "temp_size_in_bytes": int(ma.temp_size_in_bytes),
+                     "argument_size_in_bytes": int(ma.argument_size_in_bytes),
+                     "output_size_in_bytes": int(ma.output_size_in_bytes),
+                     "alias_size_in_bytes": int(ma.alias_size_in_bytes),
+                     "compile_seconds": round(seconds, 3)}
+            self._write(key, entry)
+            how = HOW_COMPILED
+        else:
+            self.cache_hits += 1
+        fresh = entry["output_size_in_bytes"] - entry["alias_size_in_bytes"]
+        return ProgramMemory(p.name, p.transition, p.shape, entry["temp_size_in_bytes"], fresh, how)
+
+    def exact(self, settings: EngineSettings, counts: PoolCounts) -> dict[str, ProgramMemory]:
+        """Every program's bytes at exactly `counts` (memory, disk cache, else compiled)."""
+        point = (_family(settings, counts), counts.kv_blocks, counts.draft_kv_blocks)
+        if point not in self._points:
+            self._points[point] = {p.name: self._analyse(p)
+                                   for p in self.programs_at(settings, counts)}
+        return self._points[point]
+
+    # -- any evaluation
+
+    def at(self, settings: EngineSettings, counts: PoolCounts, *,
+           exact: bool = True) -> Activations:
+        """The activations at `counts`: compiled (or cached) at these shapes when `exact`, when
+        already known, or when nothing of this family is; else the family anchor's affine model
+        in the KV block counts."""
+        fam = _family(settings, counts)
+        known = (fam, counts.kv_blocks, counts.draft_kv_blocks) in self._points
+        if exact or known or fam not in self._anchor:
+            rows = self.exact(settings, counts)
+            self._anchor.setdefault(fam, counts)
+            return self._result(tuple(rows.values()))
+        return self._result(self._interpolate(settings, counts, fam), note=(
+            f"affine in KV blocks from the compiled anchor at {self._anchor[fam].kv_blocks} "
+            "blocks"))
+
+    def _interpolate(self, settings, counts, fam) -> tuple[ProgramMemory, ...]:
+        anchor = self._anchor[fam]
+        base = self.exact(settings, anchor)
+        # the far end of the serve's range for each block count
+        hi = pool_counts(settings, self.config)
+        lo = pool_counts(settings, self.config, tokens_per_seq=1)
+        slopes: dict[str, list[Fraction]] = {name: [Fraction(0)] * 4 for name in base}
+        for field, idx in (("kv_blocks", 0), ("draft_kv_blocks", 2)):
+            a = getattr(anchor, field)
+            b = getattr(hi, field) if getattr(hi, field) != a else getattr(lo, field)
+            if a == 0 or b == a or getattr(counts, field) == a:
+                continue
+            moved = self.exact(settings, dataclasses.replace(anchor, **{field: b}))
+            for name, m in moved.items():
+                slopes[name][idx] = Fraction(m.temp - base[name].temp, b - a)
+                slopes[name][idx + 1] = Fraction(m.outputs - base[name].outputs, b - a)
+        dk = counts.kv_blocks - anchor.kv_blocks
+        dd = counts.draft_kv_blocks - anchor.draft_kv_blocks
+        out = []
+        for name, m in base.items():
+            s = slopes[name]
+            out.append(dataclasses.replace(
+                m, temp=m.temp + math.ceil(s[0] * dk + s[2] * dd),
+                outputs=m.outputs + math.ceil(s[1] * dk + s[3] * dd), how=HOW_INTERPOLATED))
+        return tuple(out)
+
+    def _result(self, rows: tuple[ProgramMemory, ...], note: str = "") -> Activations:
+        return Activations(self.backend, self.device_kind, self.forward, jax.__version__, rows,
+                           note)
+
+
+def _family(settings: EngineSettings, counts: PoolCounts) -> tuple:
+    """Everything a step program's shapes depend on except the two paged-KV block counts (and
+    `kv_tokens`, which no shape reads)."""
+    neutral = dataclasses.replace(counts, kv_blocks=0, draft_kv_blocks=0, kv_tokens=0)
+    return (neutral, settings.max_seq_len, settings.kv_cache_dtype, settings.ssm_h_dtype,
+            settings.num_drafts)

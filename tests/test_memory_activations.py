@@ -1,0 +1,145 @@
+"""`metrale-jax memory` activations: XLA's memory analysis of the engine's step programs.
+
+The planner's figure must equal what the programs the Engine really compiles report; probes of
+the inverse queries compile once per distinct shape set (interpolating in the KV block counts,
+checked against a compiled program); the analyses are cached on disk; `--no-activations` skips
+them. Compilation dominates: every test shares one cache directory (module scope), and the
+workload `ISL 1 + OSL 511` makes every probe of the tiny-mtp serve the headline's own shapes.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from metrale_jax.engine.capacity import bucket_width
+from metrale_jax.engine.engine import Engine
+from metrale_jax.memory.activations import CACHE_ENV, ActivationModel
+from metrale_jax.memory.devices import find_device
+from metrale_jax.memory.plan import Planner, Workload
+from metrale_jax.presets import PRESETS, resolve_checkpoint
+from metrale_jax.recipes import REPO_RECIPES_DIR
+from metrale_jax_cli.memory_cmd import memory, plan
+
+#: ISL + OSL = the tiny-mtp recipe's max_model_len (512): the planner's KV pools are then the
+#: Engine's own (it sizes them for max_seq_len), and the max-ISL search has one point.
+ARGS = ["--checkpoint", "tiny", "--device", "H200", "--isl", "1", "--osl", "511",
+        "--concurrency", "12", "--recipe", "metrale-jax/tiny-mtp"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("activations")
+    old = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(path)
+    yield path
+    if old is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = old
+
+
+@pytest.fixture(scope="module")
+def report(cache):
+    return plan("tiny", "H200", 1, 511, 12, "metrale-jax/tiny-mtp", None, None, REPO_RECIPES_DIR, ())
+
+
+def _engine_programs(settings):
+    """Run a full-width prefill, decode, verify and propose on a real Engine; return its compiled
+    programs by planner name."""
+    cfg, params = resolve_checkpoint("tiny")
+    eng = Engine(cfg, params, settings)
+    n = eng.counts.real_slots
+    assert bucket_width(n) == n == 12
+    seqs = [eng.alloc_sequence() for _ in range(n)]
+    rng = np.random.default_rng(0)
+    for s in seqs:
+        eng.prefill(s, rng.integers(0, cfg.vocab_size, eng.counts.prefill_chunk).tolist())
+    eng.decode_batch(seqs, [1] * n)
+    eng.verify_batched(seqs, [2] * n, [1] * n)
+    eng.propose_batched(seqs, [3] * n, settings.num_drafts)
+    out = {}
+    for key, prog in eng.programs._programs.items():
+        name, static = key[0], dict(key[1])
+        label = {"prefill_chunk": "prefill", "propose": "propose"}.get(name)
+        if name == "step_rows":
+            label = "verify" if static["verify"] else "decode"
+        out[label] = prog
+    return out
+
+
+def test_activation_figure_equals_the_engines_compiled_programs(report):
+    """Planned == compiled: each program's scratch and fresh outputs are exactly what
+    `memory_analysis()` says of the program the Engine compiled at the same settings."""
+    ev = report.evaluation
+    act = ev.activations
+    assert act.backend == jax.default_backend() and act.forward == "xla"
+    assert [p.name for p in act.programs] == ["prefill", "decode", "verify", "propose"]
+    assert all(p.how == "compiled" for p in act.programs)
+    assert report.activation_run["compiled"] == 4  # every probe shares the headline's shapes
+    engine = _engine_programs(ev.settings)
+    for p in act.programs:
+        ma = engine[p.name].memory_analysis()
+        assert (p.temp, p.outputs) == (ma.temp_size_in_bytes,
+                                       ma.output_size_in_bytes - ma.alias_size_in_bytes), p.name
+    assert act.bytes == max(p.temp + p.outputs for p in act.programs) > 0
+    assert ev.device_total == ev.weight_bytes + ev.pool_bytes + act.bytes + ev.runtime
+
+
+def test_second_run_is_served_from_the_disk_cache(report, cache):
+    r = CliRunner().invoke(memory, [*ARGS, "--json"])
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    a = d["activations"]
+    assert a["run"] == {"compiled": 0, "compile_seconds": 0.0, "cache_hits": 4,
+                        "cache_dir": str(cache)}
+    assert [p["source"] for p in a["programs"]] == ["cache"] * 4
+    assert [p["temp_bytes"] for p in a["programs"]] == [
+        p.temp for p in report.evaluation.activations.programs]
+    t = d["totals"]
+    assert t["activations"] == a["bytes"] == max(p["bytes"] for p in a["programs"])
+    assert t["device_total"] == (t["weights"] + sum(t["pools"].values()) + t["activations"]
+                                 + t["runtime_reserve"])
+    assert a["backend"] == jax.default_backend()
+    assert f"backend {jax.default_backend()}" in CliRunner().invoke(memory, ARGS).stdout
+
+
+def test_probes_compile_once_per_shape_set_and_interpolate_within_5_percent(report, cache):
+    """The max-ISL search moves only the KV block counts: two extra shape sets (each count moved
+    alone to the far end of the serve's range) are compiled, not one per probe, and an
+    interpolated probe is within 5% of the program compiled at its own shapes (prefill, the
+    peak program, is not exactly affine: XLA packs its scratch differently at few blocks)."""
+    ev = report.evaluation
+    cfg = PRESETS["tiny"][0]
+    model = ActivationModel(cfg, jnp.float32, programs=("prefill",))
+    planner = Planner(cfg, ev.settings, find_device("L4"), jnp.float32, (), activations=model)
+    planner.evaluate(Workload(12, 1, 511))  # the anchor: from the cache
+    assert (model.compiled, model.cache_hits) == (0, 1)
+    assert planner.max_isl(12, 50) == 462
+    assert model.compiled == 2  # kv blocks moved, drafter blocks moved
+    probe = planner.probe(Workload(12, 100, 50))
+    assert model.compiled == 2
+    (p,) = probe.activations.programs
+    assert p.how == "interpolated" and "affine in KV blocks" in probe.activations.note
+    exact = model.exact(probe.settings, probe.counts)["prefill"]
+    assert exact.how == "compiled" and p.outputs == exact.outputs
+    assert abs(p.temp - exact.temp) <= 0.05 * exact.temp
+    # the KV-slice copies make the scratch grow with the blocks
+    assert exact.temp < next(q.temp for q in ev.activations.programs if q.name == "prefill")
+
+
+def test_no_activations_skips_them():
+    r = CliRunner().invoke(memory, [*ARGS, "--no-activations", "--json"])
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["activations"] is None and d["totals"]["activations"] == 0
+    t = d["totals"]
+    assert t["device_total"] == t["weights"] + sum(t["pools"].values()) + t["runtime_reserve"]
+    out = CliRunner().invoke(memory, [*ARGS, "--no-activations"]).stdout
+    assert "## Activations: not computed (--no-activations); not charged" in out
+    assert "activations (not computed: --no-activations)" in out
