@@ -9,18 +9,33 @@ KV write: `write_kv` is the reference's jnp scatter, on every backend, by design
 the T rows it writes (with the pool donated, XLA updates it in place); a Pallas kernel would have to
 alias the whole pool through input_output_aliases to do the same and could not move fewer bytes.
 
-Contract (checked by tests/test_kernels_paged_attention.py): BOUNDED, not bit-identical.
-- Why: the reference normalises each row's softmax over the whole table span before the PV
-  product and rounds the normalised probabilities to q's dtype; a kernel that walks the cache in
-  tiles (online softmax) rounds unnormalised probabilities and sums the span tile by tile. Making
-  it byte-equal would need a reference that itself runs the tiled online softmax.
-- Bound: `common.contract_bound` (twice the reference's own error against the float64 numpy
-  oracle of the same dtype-rounded inputs, plus one unit roundoff of q's dtype; metric max
-  |o - o64| / max |o64|). Measured on CPU (decode, verify and prefill-chunk rows, GQA 2:1 and
-  8:1): float32 2.7e-7 (reference 2.8e-7); bfloat16 5.8e-3 (reference 5.8e-3; both are dominated
-  by rounding the scores to bfloat16, which the kernel does as the reference does).
-- Exact parts: padding rows are zeros, and what other sequences' blocks, or blocks of the own table
-  past the rows' positions, hold never changes a result (tests use NaN there).
+Contract (checked by tests/test_kernels_paged_attention.py; in the engine by
+tests/test_forward_select.py): BIT-IDENTICAL to the reference under the CPU interpreter with the
+default tiling (all rows of a (sequence, kv head) in one program, at least `reference.MIN_ROWS`;
+key tiles of `reference.tile_pages(bs)` blocks) and the default form ("reference").
+- Why it holds: the reference is the kernel's loop (the same key tiles, the same [M, D] row
+  matrices, the same per-tile ops in the same order and dtypes, stopping at the same tile per
+  sequence), and the three ops whose CPU bits depend on more than their own operands are avoided
+  or matched: the tile's probability sum is a tree of elementwise adds
+  (`reference.tile_sum`; XLA CPU's reduce order changes with the array size), the dots take
+  float32-widened operands (`reference.widen`; exact products, so the same dot, and XLA CPU's
+  bfloat16 dots sum in an order that changes with the surrounding program), and every dot has
+  the kernel's M (XLA CPU dots are not M-invariant; a one-row dot is a vector product, so a lone
+  row is padded to MIN_ROWS).
+- BOUNDED by `common.contract_bound` instead (twice the reference's own error against the float64
+  numpy oracle of the same dtype-rounded inputs, plus one unit roundoff of q's dtype; metric
+  max |o - o64| / max |o64|): the "triton" form (tl.sum, q-dtype dots) and row blocks narrower
+  than a kv head's rows (the GPU tiling: 16 to 64 rows, padded). Measured on CPU (80 prefill rows
+  per kv head in blocks of 16): float32 2.7e-7 (reference 2.5e-7, bound 5.6e-7); bfloat16 5.8e-3
+  (reference 5.8e-3, bound 1.6e-2). On a GPU the kernel is compared to the reference by
+  `benchmarks/gpu_check.py`.
+- The reference's own accuracy: as good as the whole-span softmax it replaced. Against the float64
+  oracle over decode, verify and prefill-chunk rows spanning 1 to 3 key tiles (GQA 2:1, 8:1, MHA):
+  float32 RMS 2.0e-8 (whole-span 2.1e-8), max 1.7e-7 (1.9e-7); bfloat16 RMS 4.8e-4 (5.3e-4), max
+  5.8e-3 (5.8e-3; both dominated by rounding the scores to bfloat16).
+- Exact parts on every tiling and form: padding rows are zeros, and what other sequences' blocks,
+  or blocks of the own table past the rows' positions, hold never changes a result (tests use NaN
+  there).
 """
 
 from __future__ import annotations
@@ -31,20 +46,21 @@ from kernels_pallas import common
 from kernels_pallas.common import KernelRefused
 from kernels_pallas.paged_attention import pallas_gpu, reference
 
-CONTRACT = "bounded"
-WHY_NOT_BIT_IDENTICAL = "online softmax over key tiles vs the reference's whole-span softmax"
+CONTRACT = "bit-identical"
 
 write_kv = reference.write_kv
 Q_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-TILE_KEYS = 64  # keys per tile: pages = TILE_KEYS // bs blocks, read per loop step
+TILE_KEYS = reference.TILE_KEYS
 
 
-def default_tiling(t: int, h: int, kvh: int, bs: int) -> tuple[int, int]:
-    """(block_rows, pages): rows per program (a power of two in [16, 64] covering T * H / KV
-    when it can) and blocks per key tile (TILE_KEYS keys, at least one block)."""
+def default_tiling(t: int, h: int, kvh: int, bs: int, *, interpret: bool) -> tuple[int, int]:
+    """(block_rows, pages): rows per program and blocks per key tile (`reference.tile_pages`).
+    Interpreter: all T * H / KV rows of a kv head (at least `reference.MIN_ROWS`), the reference's
+    row matrix. GPU: a power of two in [16, 64] covering them when it can."""
     rows = t * (h // kvh)
-    block_rows = min(64, max(16, 1 << (rows - 1).bit_length()))
-    return block_rows, max(1, TILE_KEYS // bs)
+    if interpret:
+        return max(rows, reference.MIN_ROWS), reference.tile_pages(bs)
+    return min(64, max(16, 1 << (rows - 1).bit_length())), reference.tile_pages(bs)
 
 
 def paged_attention_supported(q, k_cache, v_cache, block_tables, positions, *, backend: str, block_rows: int | None = None, pages: int | None = None) -> str | None:
@@ -64,7 +80,7 @@ def paged_attention_supported(q, k_cache, v_cache, block_tables, positions, *, b
         return f"block_tables must be [B, MB] and positions [B, T]; got {block_tables.shape}, {positions.shape}"
     if q.dtype not in Q_DTYPES:
         return f"q dtype {q.dtype} is not one of {[str(x) for x in Q_DTYPES]}"
-    block_rows_d, pages_d = default_tiling(t, h, kvh, bs)
+    block_rows_d, pages_d = default_tiling(t, h, kvh, bs, interpret=backend == "interpret")
     block_rows, pages = block_rows or block_rows_d, pages or pages_d
     if backend == "gpu":
         return common.triton_dims_reason(minimum=16, head_dim=d, block_rows=block_rows, tile_keys=pages * bs) or (
@@ -74,20 +90,21 @@ def paged_attention_supported(q, k_cache, v_cache, block_tables, positions, *, b
     return None
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, *, implementation: str = "pallas", interpret: bool | None = None, block_rows: int | None = None, pages: int | None = None):
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, *, implementation: str = "pallas", interpret: bool | None = None, block_rows: int | None = None, pages: int | None = None, form: str | None = None):
     """Causal GQA attention of query rows over their sequences' paged KV. Arguments as
     `reference.paged_attention`; returns [B, T, H, D] in q's dtype.
 
     implementation: "pallas" (raises `KernelRefused` with the reason when unsupported) or
-    "reference". interpret: None = `common.default_interpret()`.
+    "reference". interpret: None = `common.default_interpret()`. block_rows, pages: None =
+    `default_tiling`; form: the kernel body's form, None = `pallas_gpu.default_form(interpret)`.
     """
     common.check_implementation(implementation)
     if implementation == "reference":
         return reference.paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
     interpret = common.default_interpret() if interpret is None else interpret
-    block_rows_d, pages_d = default_tiling(q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1])
+    block_rows_d, pages_d = default_tiling(q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interpret)
     block_rows, pages = block_rows or block_rows_d, pages or pages_d
     backend = common.backend_of(interpret)
     if reason := paged_attention_supported(q, k_cache, v_cache, block_tables, positions, backend=backend, block_rows=block_rows, pages=pages):
         raise KernelRefused(f"paged attention kernel: {reason}")
-    return pallas_gpu.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, block_rows=block_rows, pages=pages, interpret=interpret)
+    return pallas_gpu.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, block_rows=block_rows, pages=pages, interpret=interpret, form=form)

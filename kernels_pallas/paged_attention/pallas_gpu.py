@@ -1,14 +1,15 @@
 """Pallas (Triton-lowerable) causal GQA attention over the paged KV cache, for decode rows, verify
 rows and prefill chunks alike.
 
-Owns: the `pallas_call`, its row layout and its tile loop. Callers go through
-`kernels_pallas.paged_attention.api`, which checks shapes first.
+Owns: the `pallas_call`, its row layout, its tile loop and its body's two backend forms.
+Callers go through `kernels_pallas.paged_attention.api`, which checks shapes first.
 
 Layout (B batch, T rows, H query heads, KV kv heads, rep = H // KV, D head dim, bs block size):
 - The query rows of one kv head are flattened to M = T * rep rows (row m = t * rep + r is head
   kv * rep + r of row t) and padded to a multiple of `block_rows`; grid = (B, KV, Mp // block_rows).
 - A program walks its sequence's block table in tiles of `pages` blocks (pages * bs keys), from
-  key 0 up to the largest position among its rows, with an online softmax in float32.
+  key 0 up to the largest position among its rows, with an online softmax in float32. The loop
+  body is `reference.paged_attention`'s, op for op.
 - The block table row is an ordinary input read inside the kernel (Triton has no scalar prefetch);
   the pools are whole-array inputs gathered by block id and kv head inside the kernel.
 
@@ -25,6 +26,12 @@ Invariants:
 - Dtypes follow the reference: K/V are cast to q's dtype before each dot; the QK dot accumulates in
   float32, its scores are rounded to q's dtype and scaled in it (HF's eager path); softmax and the
   PV accumulation are float32, with the probabilities cast to q's dtype before the PV dot.
+- The body is the same code on both backends except two ops, picked by `form` (`default_form`):
+  "reference" under the interpreter runs the reference's own (the tile sum as `reference.tile_sum`'s
+  tree of elementwise adds, dot operands widened by `reference.widen`), which with the
+  interpreter's tiling (api.default_tiling) makes the kernel byte-equal to the reference;
+  "triton" when compiled runs tl.sum (Triton cannot slice a tile) and dots in q's dtype (tensor
+  cores). Tests run both forms on CPU.
 
 Precondition: positions < block_tables.shape[1] * bs (a row's keys fit its table).
 """
@@ -39,14 +46,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.paged_attention import reference
 
-def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: float, pages: int):
+FORMS = ("reference", "triton")
+
+
+def default_form(interpret: bool) -> str:
+    """The body's form: "reference" under the interpreter (byte-equal to the reference), "triton"
+    when compiled."""
+    return "reference" if interpret else "triton"
+
+
+def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: float, pages: int, form: str):
     """q_ref [bm, D]; pos_ref [bm] int32; bt_ref [MBp] int32; k_ref, v_ref [NB, bs, KV, D] (whole
     pools; this program's kv head is program_id(1)); o_ref [bm, D]."""
     bs, d = k_ref.shape[1], k_ref.shape[3]
     g = pl.program_id(1)
     tile = pages * bs
+    exact = form == "reference"
     q = q_ref[...]  # [bm, D]
+    dtype = q.dtype
+    operand = functools.partial(reference.widen, dtype=dtype) if exact else (lambda x: x.astype(dtype))
+    qd = operand(q)
     pos = pos_ref[...]  # [bm]
     last = jnp.max(pos)  # the furthest key any row of this block reads
     n_tiles = jnp.where(last >= 0, last // tile + 1, 0)
@@ -54,19 +75,20 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
     def body(j, carry):
         acc, m, l = carry  # [bm, D] [bm] [bm] f32
         ids = bt_ref[pl.ds(j * pages, pages)]  # [pages]
-        k = k_ref[ids, :, g].reshape(tile, d).astype(q.dtype)  # [tile, D]
-        v = v_ref[ids, :, g].reshape(tile, d).astype(q.dtype)
+        k = operand(k_ref[ids, :, g].reshape(tile, d))  # [tile, D]
+        v = operand(v_ref[ids, :, g].reshape(tile, d))
         kpos = j * tile + lax.broadcasted_iota(jnp.int32, (tile,), 0)  # [tile]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        s = (s.astype(q.dtype) * jnp.asarray(scale, q.dtype)).astype(jnp.float32)  # as the reference
+        s = lax.dot_general(qd, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = (s.astype(dtype) * jnp.asarray(scale, dtype)).astype(jnp.float32)  # as the reference
         s = jnp.where(kpos[None, :] <= pos[:, None], s, -jnp.inf)  # [bm, tile]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: p = alpha = 0
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
         v = jnp.where((kpos <= last)[:, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
-        pv = jnp.dot(p.astype(q.dtype), v, preferred_element_type=jnp.float32)
-        return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+        pv = jnp.dot(operand(p), v, preferred_element_type=jnp.float32)  # [bm, D]
+        p_sum = reference.tile_sum(p) if exact else jnp.sum(p, axis=1)  # [bm]
+        return alpha[:, None] * acc + pv, m_new, alpha * l + p_sum
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full(pos.shape, -jnp.inf, jnp.float32), jnp.zeros(pos.shape, jnp.float32))
     acc, _, l = lax.fori_loop(0, n_tiles, body, init)
@@ -74,14 +96,18 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, *, block_rows: int, pages: int, interpret: bool):
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, *, block_rows: int, pages: int, interpret: bool, form: str | None = None):
     """q [B, T, H, D]; k_cache, v_cache [NB, bs, KV, D]; block_tables [B, MB] int32;
-    positions [B, T] int32 (< 0 = padding). Returns [B, T, H, D] in q's dtype.
+    positions [B, T] int32 (< 0 = padding). Returns [B, T, H, D] in q's dtype. form: the
+    body's form (see the module docstring), None = `default_form(interpret)`.
 
     NOTE: the row flattening is a transpose copy of q and of the output (T * H * D each), and the
     block table is padded to a multiple of `pages` with block 0 (only ever read past every row's
     last key, where it is masked).
     """
+    form = form or default_form(interpret)
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}; got {form!r}")
     b, t, h, d = q.shape
     kvh = k_cache.shape[2]
     rep = h // kvh
@@ -94,7 +120,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
     row_spec = pl.BlockSpec((None, None, block_rows, d), lambda i, g, j: (i, g, j, 0))
     pool_spec = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
-        functools.partial(_attention_kernel, scale=scale, pages=pages),
+        functools.partial(_attention_kernel, scale=scale, pages=pages, form=form),
         grid=(b, kvh, mp // block_rows),
         in_specs=[
             row_spec,

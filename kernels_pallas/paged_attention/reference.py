@@ -1,6 +1,9 @@
 """Reference (jnp) paged attention and the paged KV write.
 
-Owns: how a row's keys and values land in the block pool, and how a row attends to the cache.
+Owns: how a row's keys and values land in the block pool, how a row attends to the cache, and the
+shapes the kernel shares with it (the key tile: `TILE_KEYS`, `tile_pages`; the least row count of
+a row matrix: `MIN_ROWS`), and the two ops the kernel borrows under the interpreter: `tile_sum`
+(the tile's probability sum) and `widen` (a dot operand).
 
 Layout: k_cache / v_cache [NB, bs, KV, D] (one attention layer); block_tables [B, MB] int32 map a
 sequence's logical block j to a physical block; token position p lives in block
@@ -13,13 +16,58 @@ Invariants:
   that a rejected draft left beyond the sequence's length is never read until overwritten.
 - Cache entries past a sequence's last queried position are never read, not even multiplied by a
   zero probability (they may hold anything, NaN included: stale rows, the null block).
-- Scores and softmax in float32 (HF's eager path); the probabilities are cast to the value dtype
-  before the PV product, as HF does.
+- Scores and softmax in float32 (HF's eager path), the scores rounded to q's dtype and scaled in
+  it first (a no-op in float32); the probabilities are cast to the value dtype before the PV
+  product, as HF does. Both dots take q's-dtype operands and accumulate in float32.
+
+NOTE: the reference is a tiled online softmax, not one softmax over the whole span, because it is
+the twin of `pallas_gpu`'s loop: the same key tiles, the same row matrices and the same per-tile
+ops in the same order and dtypes (scores, running max, rescale, exp, sums, PV accumulation, final
+divide) are what make the kernel byte-equal to it under the CPU interpreter. Against a float64
+oracle it is as accurate as the whole-span softmax (tests/test_kernels_paged_attention.py).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
+
+TILE_KEYS = 64  # keys per tile: tile_pages(bs) blocks, read per loop step
+MIN_ROWS = 2  # a row matrix has at least this many rows (padding rows at position -1)
+
+
+def tile_pages(bs: int) -> int:
+    """Blocks per key tile: TILE_KEYS keys, at least one block."""
+    return max(1, TILE_KEYS // bs)
+
+
+def tile_sum(x):
+    """Sum over the last axis as a pairwise tree of elementwise adds (first half + second half;
+    the length is zero-padded to a power of two).
+
+    NOTE: not `jnp.sum`: XLA CPU sums an axis in an order that depends on the whole array's shape
+    (arrays of 4096+ elements go to YNNPACK, smaller ones are split into windows of 32), so the
+    same rows summed in a [M, tile] kernel block and in a [B, KV, M, tile] batch differ in the last
+    bit. Elementwise adds round alike at any shape.
+    """
+    n = x.shape[-1]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def widen(x, dtype):
+    """x rounded to `dtype` (q's), then widened to float32: a dot operand.
+
+    NOTE: a product of two bfloat16 or float16 values is exact in float32, so a float32 dot of
+    widened operands is the q-dtype dot with float32 accumulation; and XLA CPU sums a float32 dot
+    of given shapes alike in any program (measured), while its bfloat16 dots (YNNPACK) do not: the
+    same [80, 16] x [16, 64] score dot differed between the kernel and this reference in the last
+    bit of ~2% of its elements. A no-op in float32.
+    """
+    return x.astype(dtype).astype(jnp.float32)
 
 
 def write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block: int):
@@ -42,34 +90,54 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
     """Causal GQA attention of query rows over their sequences' paged KV.
 
     q: [B, T, H, D]; positions [B, T] (< 0 = padding). Returns [B, T, H, D] in q's dtype.
+
+    Each (sequence, kv head) is one matrix of M = T * rep query rows (row t * rep + r is query head
+    kv * rep + r of row t), walked over key tiles of `tile_pages(bs)` blocks from key 0 to the tile
+    holding the sequence's largest position, with an online softmax in float32.
+
+    NOTE: M is padded to MIN_ROWS with padding rows: XLA CPU runs a one-row dot as a vector
+    product, whose summation order depends on the batch around it (the kernel pads alike).
     """
     b, t, h, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
-    mb = block_tables.shape[1]
-    keys = k_cache[block_tables].reshape(b, mb * bs, kvh, d).astype(q.dtype)  # [B, S, KV, D]
-    vals = v_cache[block_tables].reshape(b, mb * bs, kvh, d).astype(q.dtype)
-    span = jnp.arange(mb * bs)
-    live = span[None, :] <= jnp.max(positions, axis=1)[:, None]  # [B, S]
-    keys = jnp.where(live[:, :, None, None], keys, 0)
-    vals = jnp.where(live[:, :, None, None], vals, 0)
     rep = h // kvh
-    qg = q.reshape(b, t, kvh, rep, d)
-    # NOTE: the scores are rounded to q's dtype and scaled in it before the f32 softmax, as HF's
-    # eager attention does (a no-op in float32).
-    scores = jnp.einsum("btgrd,bsgd->btgrs", qg, keys, preferred_element_type=jnp.float32)
-    scores = (scores.astype(q.dtype) * jnp.asarray(scale, q.dtype)).astype(jnp.float32)
-    mask = span[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
-    valid = positions >= 0
-    scores = jnp.where(valid[:, :, None, None, None], scores, 0.0)
-    probs = _softmax(scores).astype(q.dtype)
-    out = jnp.einsum("btgrs,bsgd->btgrd", probs, vals, preferred_element_type=jnp.float32)
-    out = jnp.where(valid[:, :, None, None, None], out, 0.0)
+    m = t * rep
+    mp = max(m, MIN_ROWS)
+    pages = tile_pages(bs)
+    tile = pages * bs
+    f32 = jnp.float32
+    rows = q.reshape(b, t, kvh, rep, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, m, d)
+    rows = widen(jnp.pad(rows, [(0, 0), (0, 0), (0, mp - m), (0, 0)]), q.dtype)  # [B, KV, Mp, D]
+    row_pos = jnp.pad(jnp.repeat(positions, rep, axis=1), [(0, 0), (0, mp - m)], constant_values=-1)  # [B, Mp]
+    last = jnp.max(positions, axis=1)  # [B]: the furthest key any row of the sequence reads
+    n_tiles = jnp.where(last >= 0, last // tile + 1, 0)  # [B]: tiles the sequence walks
+    tables = jnp.pad(block_tables, [(0, 0), (0, (-block_tables.shape[1]) % pages)])  # [B, MBp]
+
+    def load(cache, ids):  # ids [B, pages] -> [B, KV, tile, D], q's dtype widened
+        return widen(cache[ids].reshape(b, tile, kvh, d).transpose(0, 2, 1, 3), q.dtype)
+
+    def body(j, carry):
+        acc, mx, l = carry  # [B, KV, Mp, D] [B, KV, Mp] [B, KV, Mp] f32
+        ids = lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [B, pages]
+        k, v = load(k_cache, ids), load(v_cache, ids)  # [B, KV, tile, D]
+        kpos = j * tile + jnp.arange(tile)  # [tile]
+        s = jnp.einsum("bgmd,bgsd->bgms", rows, k, preferred_element_type=f32)  # [B, KV, Mp, tile]
+        s = (s.astype(q.dtype) * jnp.asarray(scale, q.dtype)).astype(f32)  # HF's rounding point
+        s = jnp.where((kpos[None, :] <= row_pos[:, :, None])[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(mx, jnp.max(s, axis=-1))  # [B, KV, Mp]
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: p = alpha = 0
+        p = jnp.exp(s - m_safe[..., None])  # [B, KV, Mp, tile]
+        alpha = jnp.exp(mx - m_safe)  # [B, KV, Mp]
+        live = kpos[None, :] <= last[:, None]  # [B, tile]
+        v = jnp.where(live[:, None, :, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
+        pv = jnp.einsum("bgms,bgsd->bgmd", widen(p, q.dtype), v, preferred_element_type=f32)  # [B, KV, Mp, D]
+        acc_new, l_new = alpha[..., None] * acc + pv, alpha * l + tile_sum(p)
+        # A sequence past its last tile keeps its carry (its kernel program has stopped walking).
+        walking = (j < n_tiles)[:, None, None]  # [B, 1, 1]
+        return jnp.where(walking[..., None], acc_new, acc), jnp.where(walking, m_new, mx), jnp.where(walking, l_new, l)
+
+    init = (jnp.zeros((b, kvh, mp, d), f32), jnp.full((b, kvh, mp), -jnp.inf, f32), jnp.zeros((b, kvh, mp), f32))
+    acc, _, l = lax.fori_loop(0, jnp.max(n_tiles), body, init)
+    out = jnp.where((row_pos >= 0)[:, None, :, None], acc / l[..., None], 0.0)  # padding rows: l = 0 -> 0
+    out = out[:, :, :m].reshape(b, kvh, t, rep, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)
-
-
-def _softmax(x):
-    """Softmax over the last axis in the order the kernels reproduce (max, exp, sum, divide)."""
-    m = jnp.max(x, axis=-1, keepdims=True)
-    e = jnp.exp(x - m)
-    return e / jnp.sum(e, axis=-1, keepdims=True)

@@ -9,8 +9,10 @@ each forward compiled).
 Invariants:
 - `xla-repeat` runs the reference's own compiled programs, so it is declared bit-identical:
   any byte it changes is run-to-run nondeterminism.
-- Another forward (`pallas`) reduces in another order than the jnp reference, so it is
-  declared bounded; a bytewise outcome is reported as observed, never promised.
+- Another forward (`pallas`) is declared bit-identical where its kernels run under the Pallas
+  interpreter (CPU: each kernel is byte-equal to its reference twin and the state IO fences
+  them, so the whole forward is; tests/test_forward_select.py) and bounded where they are
+  compiled (Triton: other reduction order).
 - Every function leaves the reference forward selected when it returns or raises.
 """
 
@@ -45,19 +47,18 @@ def default_variants(names: Optional[Iterable[str]] = None) -> tuple[list[Varian
     {name, reason} instead (e.g. its kernels fail to import)."""
     wanted = None if names is None else set(names)
     variants, unavailable = [], []
-    candidates = [Variant("xla-repeat", REFERENCE)] + [
-        Variant(f, f, bounded(OTHER_FORWARD_RTOL, "other kernels, other reduction order"))
-        for f in FORWARDS if f != REFERENCE
-    ]
-    for v in candidates:
-        if wanted is not None and v.label not in wanted:
+    for label in known_labels():
+        if wanted is not None and label not in wanted:
             continue
+        forward = REFERENCE if label == "xla-repeat" else label
         try:
-            make_ops(v.forward)
+            ops = make_ops(forward)
         except Exception as e:  # an unimportable or unbuildable forward is reported, not fatal
-            unavailable.append({"name": v.label, "reason": f"{type(e).__name__}: {e}"})
+            unavailable.append({"name": label, "reason": f"{type(e).__name__}: {e}"})
             continue
-        variants.append(v)
+        compiled_kernels = forward != REFERENCE and not getattr(ops, "interpret", True)
+        contract = bounded(OTHER_FORWARD_RTOL, "compiled kernels, other reduction order") if compiled_kernels else BIT_IDENTICAL
+        variants.append(Variant(label, forward, contract))
     return variants, unavailable
 
 

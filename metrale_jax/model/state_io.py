@@ -14,6 +14,11 @@ Invariants:
   valid row.
 - Which implementation computes each op (jnp reference or Pallas kernel) is the `ops` object's
   business; this file never changes with the forward.
+- Every kernel-backed op (GDN chunk, GDN rows, attention) runs between XLA optimization barriers
+  on its array inputs and outputs (`_fenced`), so XLA compiles the model code around it the same
+  whichever implementation runs inside; that is what makes the `pallas` forward byte-equal to
+  the `xla` one on CPU (without the fence, XLA fuses e.g. GDN's sigmoid gate differently into
+  each consumer and rounds it differently, by 1 ulp).
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.model import gdn as gdn_math
 from kernels_pallas.gdn import reference as gdn_ref
 from kernels_pallas.paged_attention import reference as attn_ref
+
+
+def _fenced(op, *arrays):
+    """op(*arrays) between optimization barriers on its inputs and its outputs."""
+    return jax.lax.optimization_barrier(op(*jax.lax.optimization_barrier(arrays)))
 
 
 @struct.dataclass
@@ -102,9 +112,9 @@ class PoolIO:
         k, beta, g = gdn_math.mask_rows(k, beta, g, self.lens)
         hdt = state.gdn_h.dtype
         if self.gdn_mode == "chunk":
-            o, h_final = self.ops.gdn_chunk(q, k, v, g, beta, h0)
+            o, h_final = _fenced(self.ops.gdn_chunk, q, k, v, g, beta, h0)
         else:
-            o, rows = self.ops.gdn_rows(q, k, v, g, beta, h0)
+            o, rows = _fenced(self.ops.gdn_rows, q, k, v, g, beta, h0)
             last = jnp.maximum(self.lens - 1, 0)
             h_final = jnp.take_along_axis(rows, last[:, None, None, None, None], axis=1)[:, 0]
             h_final = jnp.where((self.lens > 0)[:, None, None, None], h_final, h0)
@@ -139,6 +149,7 @@ class PoolIO:
         kc, vc = self.ops.write_kv(
             state.kv_k[ai], state.kv_v[ai], k, v, self.block_tables, self.positions, self.null_block
         )
-        o = self.ops.attention(q, kc, vc, self.block_tables, self.positions, self.cfg.head_dim**-0.5)
+        scale = self.cfg.head_dim**-0.5
+        o = _fenced(lambda *a: self.ops.attention(*a, scale), q, kc, vc, self.block_tables, self.positions)
         state = state.replace(kv_k=state.kv_k.at[ai].set(kc), kv_v=state.kv_v.at[ai].set(vc))
         return o, state
