@@ -7,8 +7,10 @@ backend is not a GPU), which GPU shape rules a kernel must satisfy before it is 
 `contract_bound`.
 
 Invariants:
-- A kernel body is the same code on both backends, except for `matvec`'s form, which `matvec_form`
-  picks from the interpret switch alone.
+- A kernel body is the same code on both backends, except for the forms picked from the interpret
+  switch alone: `matvec`'s (GDN) and the attention body's reduction and dot forms (see
+  `paged_attention/pallas_gpu.py`); under the interpreter every kernel is byte-equal to its
+  reference, compiled through Triton it is bounded.
 - `BACKENDS` are the only backend names `*_supported` accepts: "interpret" (the Pallas interpreter,
   any platform) and "gpu" (compiled through Triton, jax 0.11/0.12's only GPU `pallas_call` path).
 """

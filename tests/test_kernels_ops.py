@@ -1,9 +1,9 @@
 """`PallasOps`, the `pallas` forward's ops object, against `ReferenceOps` (the `xla` forward).
 
 Claims: it is a frozen, hashable stand-in with ReferenceOps' methods, interpreting off GPU; its GDN
-methods are byte-equal to ReferenceOps' and its attention within the bounded allowance; a refused
-op runs the reference and is recorded (and warned about once); the tiny model's cached forward
-(prefill, then decode) gives the same greedy tokens and near-equal logits with either ops object.
+and attention methods are byte-equal to ReferenceOps'; a refused op runs the reference and is
+recorded (and warned about once); the tiny model's cached forward (prefill, then decode) gives
+byte-equal logits with either ops object.
 """
 
 import inspect
@@ -40,9 +40,8 @@ def test_methods_match_reference_ops():
     inputs = testing.attention_inputs(rng, np.float32, b=2, t=3, h=4, kvh=2, d=16, bs=4, nb=12, mb=4, starts=[2, 9])
     q, kc, vc, tables, pos = map(jnp.asarray, inputs)
     kc, vc = ops.write_kv(kc, vc, q[:, :, :2], q[:, :, 2:], tables, pos, 11)
-    o64 = testing.attention_oracle(q, kc, vc, tables, pos, 0.25)
-    err_ref = testing.rel_err(ref.attention(q, kc, vc, tables, pos, 0.25), o64)
-    assert testing.rel_err(ops.attention(q, kc, vc, tables, pos, 0.25), o64) <= common.contract_bound(err_ref, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ops.attention(q, kc, vc, tables, pos, 0.25)),
+                                  np.asarray(ref.attention(q, kc, vc, tables, pos, 0.25)))
 
 
 def test_refusal_falls_back_and_is_recorded():
@@ -71,5 +70,4 @@ def test_tiny_model_forward_agrees(tiny):
             logits, _, cache = forward_jit(params, cfg, tok, cache, jnp.int32(21 + i), ops=ops)
             steps.append(logits)
         runs[ops.name] = np.concatenate([np.asarray(x) for x in steps], axis=1)
-    assert (runs["xla"].argmax(-1) == runs["pallas"].argmax(-1)).all()
-    assert testing.rel_err(runs["pallas"], runs["xla"]) <= 1e-5
+    np.testing.assert_array_equal(runs["pallas"], runs["xla"])
