@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
-from metrale_jax.params import is_spec, param_specs
+from metrale_jax.params import param_specs
 
 
 class CheckpointError(ValueError):

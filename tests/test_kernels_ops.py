@@ -9,12 +9,11 @@ byte-equal logits with either ops object.
 import inspect
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import common, testing
+from kernels_pallas import testing
 from kernels_pallas.ops import PallasOps
 from metrale_jax.model.cache import forward_jit, new_cache
 from metrale_jax.model.state_io import ReferenceOps

@@ -1,7 +1,6 @@
 """The scan layout of repeated layer groups computes what the unrolled list layout computes."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from conftest import settings
