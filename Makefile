@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # makes pyenv's python3 a 3.12 here; python3.12 is tried first where it is on PATH.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: demo test bench fixtures clean
+.PHONY: demo test bench fixtures notebooks train-small clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (install one or set PYTHON=...)"; exit 2; }
@@ -25,6 +25,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+notebooks: $(STAMP)
+	cd notebooks && for nb in *.py; do MPLBACKEND=Agg ../$(PY) $$nb || exit 1; done
+
+train-small: $(STAMP)
+	nice -n 10 $(PY) scripts/train_small.py
 
 fixtures:
 	bash scripts/make_hf_fixtures.sh

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from metrale_jax_cli.diff_cmd import diff
+from metrale_jax_cli.generate_cmd import generate
 from metrale_jax_cli.logits_cmd import logits
 from metrale_jax_cli.memory_cmd import memory
 
@@ -16,5 +17,6 @@ def cli():
 
 
 cli.add_command(diff)
+cli.add_command(generate)
 cli.add_command(logits)
 cli.add_command(memory)

@@ -2,8 +2,9 @@
 
 Owns: the preset configs and `resolve_checkpoint`, the one function every command uses to turn a
 `--checkpoint` value (preset name or directory) into (config, params).
-Invariant: a preset's weights are a pure function of its name and dtype (seeded), so every
-process and machine gets the same bytes; no file is downloaded.
+Invariant: a preset's weights are the same bytes on every process and machine, and nothing is
+downloaded: seeded presets (`tiny`) are a pure function of their name and dtype, shipped presets
+(`small`, trained by scripts/train_small.py) are read from the package's own files.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from metrale_jax.checkpoint import CheckpointError, load_checkpoint
 from metrale_jax.config import FULL, LINEAR, ModelConfig
 from metrale_jax.params import init_params
+from metrale_jax.presets_data import PRESET_DIRS
 
 # A small Qwen3-Next-shaped model: both mixer kinds, MoE layers and one dense layer
 # (mlp_only_layers), GQA 2:1, linear value heads != key heads, dk != dv, one MTP layer.
@@ -61,8 +63,10 @@ def resolve_checkpoint(name_or_dir: str, dtype: str | None = "float32"):
     if name_or_dir in PRESETS:
         cfg, seed = PRESETS[name_or_dir]
         return cfg, init_params(cfg, seed, parse_dtype(dtype or "float32"))
+    if name_or_dir in PRESET_DIRS:
+        return load_checkpoint(PRESET_DIRS[name_or_dir], parse_dtype(dtype or "float32"))
     if not os.path.isdir(name_or_dir):
         raise CheckpointError(
-            f"--checkpoint {name_or_dir!r} is neither a preset ({', '.join(PRESETS)}) nor a directory"
+            f"--checkpoint {name_or_dir!r} is neither a preset ({', '.join([*PRESETS, *PRESET_DIRS])}) nor a directory"
         )
     return load_checkpoint(name_or_dir, None if dtype is None else parse_dtype(dtype))

@@ -33,7 +33,11 @@ from metrale_jax.engine.capacity import DEFAULT_K_LADDER, KLadder, parse_k_ladde
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.settings import resolve_settings
 from metrale_jax.engine.speculative import DraftSchedule, GenerationResult, greedy_generate, speculative_generate
+from metrale_jax.presets import resolve_checkpoint
+from metrale_jax.presets_data import PRESET_DIRS
 from metrale_jax.tokenizer import ByteTokenizer
+from metrale_jax.training.corpus import default_stdlib_dir, load_corpus
+from metrale_jax.training.recipe import SMALL_RECIPE
 
 
 def flat_schedule(num_drafts: int, confidence_stop: Optional[float] = None) -> DraftSchedule:
@@ -127,7 +131,8 @@ class Run:
 
     @property
     def emitted(self) -> np.ndarray:
-        """int [N]: tokens each step row produced (accepted drafts + the verify's own token)."""
+        """int [N]: tokens each step row produced (accepted drafts + the verify's own token). A
+        sequence's first generated token comes from its prefill, not from a verify step."""
         return self.accepted + 1
 
     def per_sequence(self) -> dict[str, np.ndarray]:
@@ -142,6 +147,17 @@ class Run:
             "emitted": count(self.emitted),
         }
 
+    def per_step(self) -> dict[str, np.ndarray]:
+        """Totals per verify step, in order, int [S]: group, step, active (sequences verified),
+        verify_rows (their K summed) and emitted tokens."""
+        key = self.group * (int(self.step.max(initial=0)) + 1) + self.step
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        total = lambda w: np.bincount(inverse, weights=w).astype(np.int64)
+        return {
+            "group": self.group[first], "step": self.step[first], "active": self.active[first],
+            "verify_rows": total(self.verify_rows), "emitted": total(self.emitted),
+        }
+
     def acceptance_by_position(self) -> np.ndarray:
         """float [D]: accepted / verified drafts at each position (NaN where none was verified).
         Position 0 is the first-draft acceptance."""
@@ -154,11 +170,11 @@ class Run:
         return _ratio(self.accepted_at.sum(0), self.reached.sum(0))
 
     def summary(self) -> dict:
-        """The headline numbers: steps, mean_accepted_length (tokens per sequence per verify),
+        """The headline numbers: steps (verify steps), mean_accepted_length (tokens per sequence per verify),
         mean_drafted, tokens_per_verify_row, acceptance_by_position,
         conditional_acceptance_by_position."""
         return {
-            "steps": int(len(set(zip(self.group.tolist(), self.step.tolist())))),
+            "steps": int(self.per_step()["step"].size),
             "mean_accepted_length": float(self.emitted.mean()),
             "mean_drafted": float(self.drafted.mean()),
             "tokens_per_verify_row": float(self.emitted.sum() / self.verify_rows.sum()),
@@ -279,12 +295,12 @@ class Study:
         return out
 
     def sweep(self, prompts, max_new_tokens: int, schedules: dict[str, DraftSchedule], widths: Iterable[int]) -> list[dict]:
-        """Every (schedule, width): one row {label, num_drafts, width, **summary} per run."""
+        """Every (schedule, width): one row {label, num_drafts, width, run, **run.summary()}."""
         rows = []
         for label, sched in schedules.items():
             for w in widths:
-                s = self.run(prompts, max_new_tokens, sched, width=w).summary()
-                rows.append({"label": label, "num_drafts": sched.num_drafts, "width": w, **s})
+                run = self.run(prompts, max_new_tokens, sched, width=w)
+                rows.append({"label": label, "num_drafts": sched.num_drafts, "width": w, "run": run, **run.summary()})
         return rows
 
 
@@ -293,9 +309,6 @@ def study_for(checkpoint: str, max_width: int = 32, max_drafts: int = 4, max_seq
     """The `Study` of a preset name or checkpoint directory, cached: everything in one process
     that studies the same checkpoint (notebooks run back to back, tests) shares one engine and its
     compiled programs."""
-    from metrale_jax.presets import resolve_checkpoint
-    from metrale_jax.presets_data import PRESET_DIRS
-
     cfg, params = resolve_checkpoint(PRESET_DIRS.get(checkpoint, checkpoint))
     return Study(cfg, params, max_width=max_width, max_drafts=max_drafts, max_seq_len=max_seq_len)
 
@@ -305,9 +318,6 @@ def heldout_prompts(count: int, length: int, seed: int = 0, corpus_dir: Optional
     (the training recipe's split of `corpus_dir`, default this Python's stdlib), each starting at
     a line start, none crossing a file boundary; deterministic in `seed`. Raises ValueError when
     the held-out text is too short."""
-    from metrale_jax.training.corpus import default_stdlib_dir, load_corpus
-    from metrale_jax.training.recipe import SMALL_RECIPE
-
     tokenizer = ByteTokenizer()
     val = load_corpus(corpus_dir or default_stdlib_dir(), tokenizer, SMALL_RECIPE.val_every_nth_file).val
     eos = tokenizer.eos_id

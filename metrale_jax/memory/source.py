@@ -23,6 +23,7 @@ from metrale_jax.config import ModelConfig, load_model_config
 from metrale_jax.engine.settings import Behavior
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.presets import PRESETS
+from metrale_jax.presets_data import PRESET_DIRS
 
 #: The id prefix of the embedded presets (`metrale-jax/tiny`).
 PRESET_ORG = "metrale-jax"
@@ -73,7 +74,7 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
             behavior=Behavior.load(models_dir / model_id / "MODEL.toml"),
             dtype="float32",
         )
-    path = Path(arg)
+    path = Path(PRESET_DIRS.get(name, arg))
     if (path / "config.json").is_file():
         directory = path
         try:
@@ -83,7 +84,7 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
     elif (models_dir / arg / "config.json").is_file():
         directory, model_id = models_dir / arg, arg
     else:
-        known = ", ".join(sorted(f"{PRESET_ORG}/{p}" for p in PRESETS) + sorted(
+        known = ", ".join(sorted(f"{PRESET_ORG}/{p}" for p in [*PRESETS, *PRESET_DIRS]) + sorted(
             p.parent.relative_to(models_dir).as_posix() for p in models_dir.glob("*/*/config.json")
         ))
         raise PlanError(f"unknown checkpoint {arg!r}: not a preset, a directory with a "

@@ -1,0 +1,99 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # How many drafts at which batch width?
+#
+# Each verify spends K = drafts + 1 rows per sequence and emits accepted + 1 tokens. Two
+# proxies, both measured on the `small` preset over held-out stdlib code:
+#
+# * **tokens per verify row** — what a row of verify compute buys; it matters when the verify is
+#   compute-bound (wide batches);
+# * **tokens per verify step** (mean accepted length) — how many tokens a sequence gains per
+#   step; it matters when a step costs about the same whatever its rows (narrow batches).
+#
+# The engine's default K ladder (`4:3,8:3,16:1,32:1`) drafts 3 up to 8 active sequences and 1
+# beyond; a flat schedule drafts `num_drafts` at every width. Greedy acceptance does not depend on
+# the width, so the two schedules differ exactly where the ladder steps down.
+#
+# Which proxy matters depends on what a step costs. A third panel row uses a stated *model* (not
+# a measurement): a verify step costs one memory-bound pass until its rows exceed `R_SAT`, then
+# grows linearly (a roofline); it shows the modelled speed-up over plain decoding at that width.
+
+# %%
+import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from metrale_jax import research
+
+FAST = os.environ.get("METRALE_NOTEBOOK_FAST", "0") == "1"
+OUT = Path(os.environ.get("METRALE_NOTEBOOK_OUT", "figures"))
+OUT.mkdir(parents=True, exist_ok=True)
+if FAST:
+    N_PROMPTS, PROMPT_LEN, NEW_TOKENS, WIDTHS, DRAFTS = 8, 64, 12, (1, 8), (1, 3)
+else:
+    N_PROMPTS, PROMPT_LEN, NEW_TOKENS, WIDTHS, DRAFTS = 32, 64, 48, (1, 2, 4, 8, 16, 32), (1, 2, 3, 4)
+
+R_SAT = 32  # modelled: rows one verify pass absorbs before it turns compute-bound (an assumption)
+
+study = research.study_for("small")
+prompts = research.heldout_prompts(N_PROMPTS, PROMPT_LEN, seed=1)
+
+# %%
+schedules = {}
+for nd in DRAFTS:
+    schedules[f"flat {nd}"] = research.flat_schedule(nd)
+    schedules[f"ladder {nd}"] = research.ladder_schedule(nd)
+rows = study.sweep(prompts, NEW_TOKENS, schedules, WIDTHS)
+
+
+def modelled_speedup(row):
+    """Tokens per unit of modelled verify cost, over plain decoding's min(width, R_SAT)."""
+    steps = row["run"].per_step()
+    cost = np.maximum(1.0, steps["verify_rows"] / R_SAT)
+    return steps["emitted"].sum() / cost.sum() / min(row["width"], R_SAT)
+
+
+print(f"{'schedule':>10} {'width':>5} {'drafts/verify':>13} {'tokens/step':>11} {'tokens/row':>10} {'modelled':>8}")
+for r in rows:
+    print(f"{r['label']:>10} {r['width']:>5} {r['mean_drafted']:>13.2f} "
+          f"{r['mean_accepted_length']:>11.3f} {r['tokens_per_verify_row']:>10.3f} {modelled_speedup(r):>8.3f}")
+
+
+fig, axes = plt.subplots(3, 2, figsize=(10, 10), sharex=True)
+panels = (("tokens_per_verify_row", "tokens per verify row"), ("mean_accepted_length", "tokens per verify step"),
+          (modelled_speedup, f"modelled speed-up (R_SAT={R_SAT})"))
+for col, kind in enumerate(("flat", "ladder")):
+    for w in WIDTHS:
+        mine = [r for r in rows if r["label"].startswith(kind) and r["width"] == w]
+        xs = [r["num_drafts"] for r in mine]
+        for ax, (metric, _) in zip(axes[:, col], panels):
+            ys = [metric(r) if callable(metric) else r[metric] for r in mine]
+            ax.plot(xs, ys, "o-", label=f"width {w}")
+    axes[0, col].set_title("flat schedule" if kind == "flat" else "default K ladder (4:3,8:3,16:1,32:1)")
+    for ax, (_, label) in zip(axes[:, col], panels):
+        ax.set_ylabel(label)
+    axes[-1, col].set(xlabel="num_drafts", xticks=list(DRAFTS))
+axes[0, 0].legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(OUT / "throughput_vs_drafts.png", dpi=120)
+
+# %% [markdown]
+# Reading the plot: more drafts raise tokens per step (fewer, longer steps) and lower tokens per
+# row (rejected drafts are wasted rows); both are the same at every width under a flat schedule,
+# because greedy acceptance does not see the batch. Under the roofline model, narrow batches gain
+# from every extra draft while wide ones pay for rejected rows: the ladder keeps narrow batches on
+# the step-saving side and moves wide batches, where rows are what a step costs, to one draft.

@@ -1,0 +1,117 @@
+"""The draft-schedule research API (`metrale_jax.research`) on the shipped small model: the tidy
+run tables (shapes by chex), their invariants, schedules, summaries, calibration, the cut-off
+replay, and its refusals. Shares `study_for("small")` (one engine, compiled once) with
+test_small_model and the notebooks."""
+
+import chex
+import numpy as np
+import pytest
+
+from metrale_jax import research
+from metrale_jax.engine.capacity import DEFAULT_K_LADDER
+
+P, NEW, D = 8, 16, 3
+
+
+@pytest.fixture(scope="module")
+def study():
+    return research.study_for("small")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return research.heldout_prompts(P, 64, seed=5)
+
+
+@pytest.fixture(scope="module")
+def run(study, prompts):
+    return study.run(prompts, NEW, research.flat_schedule(D), width=4)
+
+
+def test_run_tables_have_tidy_shapes(run):
+    n = run.seq.shape[0]
+    chex.assert_shape([run.group, run.step, run.seq, run.active, run.proposed, run.drafted, run.accepted,
+                       run.verify_rows, run.emitted], (n,))
+    chex.assert_shape([run.confidence], (n, D))
+    chex.assert_shape([run.reached, run.accepted_at], (n, D))
+    chex.assert_type([run.seq, run.drafted, run.accepted], int)
+    per = run.per_sequence()
+    chex.assert_shape(list(per.values()), (P,))
+    steps = run.per_step()
+    chex.assert_equal_shape(list(steps.values()))
+    assert steps["emitted"].sum() == run.emitted.sum() and steps["active"].sum() == n
+    assert len(run.records()) == n and len(run.tokens) == P
+
+
+def test_run_invariants(run):
+    assert sorted(set(run.group.tolist())) == [0, 1]  # 8 prompts at width 4
+    assert (run.active <= 4).all() and (run.drafted == run.proposed).all() and (run.drafted == D).all()
+    assert (run.accepted <= run.drafted).all()
+    np.testing.assert_array_equal(run.accepted_at.sum(1), run.accepted)
+    assert not (run.accepted_at & ~run.reached).any()
+    np.testing.assert_array_equal(np.isnan(run.confidence), np.arange(D)[None] >= run.drafted[:, None])
+    assert (run.confidence[~np.isnan(run.confidence)] <= 0).all()
+    per = run.per_sequence()
+    # the prefill's argmax is the first generated token; the verify steps emit the rest (or more)
+    assert (per["emitted"] + 1 >= NEW).all() and (per["emitted"] - per["accepted"] == per["steps"]).all()
+    assert all(len(t) == NEW for t in run.tokens)
+
+
+def test_summary_and_calibration(run):
+    s = run.summary()
+    chex.assert_shape([s["acceptance_by_position"], s["conditional_acceptance_by_position"]], (D,))
+    assert s["acceptance_by_position"][0] == s["conditional_acceptance_by_position"][0]
+    assert 1.0 <= s["mean_accepted_length"] <= D + 1
+    assert s["tokens_per_verify_row"] == pytest.approx(run.emitted.sum() / run.verify_rows.sum())
+    cal = run.calibration(bins=5)
+    chex.assert_shape(cal.edges, (6,))
+    chex.assert_shape([cal.mean_confidence, cal.acceptance, cal.count], (5,))
+    assert cal.count.sum() == run.reached.sum()
+    assert run.calibration(bins=5, position=0).count.sum() == run.reached[:, 0].sum()
+    ok = cal.count > 0
+    assert ((cal.mean_confidence[ok] >= cal.edges[:-1][ok]) & (cal.mean_confidence[ok] <= cal.edges[1:][ok])).all()
+
+
+def test_cutoff_replay_bounds(run):
+    t = run.cutoff_tradeoff([-np.inf, np.log(0.3), np.log(0.6), 0.1])
+    chex.assert_shape(list(t.values()), (4,))
+    assert t["rows_saved"][0] == 0 and t["tokens_lost"][0] == 0
+    assert t["tokens_per_verify_row"][-1] == 1.0  # every draft cut: one row, one token per step
+    assert (np.diff(t["rows_saved"]) >= 0).all() and (np.diff(t["tokens_lost"]) >= 0).all()
+
+
+def test_confidence_stop_cuts_and_keeps_the_output(study, prompts, run):
+    stop = float(np.log(0.5))
+    cut = study.run(prompts, NEW, research.flat_schedule(D, confidence_stop=stop), width=4)
+    assert cut.tokens == run.tokens
+    assert (cut.drafted <= cut.proposed).all() and (cut.drafted < cut.proposed).any()
+    assert (cut.confidence[~np.isnan(cut.confidence)] >= stop).all()
+
+
+def test_ladder_drafts_by_width(study, prompts):
+    sched = research.ladder_schedule(D, "2:3,8:1")
+    assert sched.ladder == ((2, 3), (8, 1)) and research.ladder_schedule(2).ladder == DEFAULT_K_LADDER
+    run = study.run(prompts, 8, sched, width=8)
+    np.testing.assert_array_equal(run.proposed, np.where(run.active <= 2, 3, 1))
+    rows = study.sweep(prompts[:4], 8, {"flat": research.flat_schedule(1)}, widths=[4])
+    assert [(r["label"], r["width"], r["num_drafts"], r["run"].width) for r in rows] == [("flat", 4, 1, 4)]
+
+
+def test_refusals(study, prompts):
+    with pytest.raises(ValueError, match="max_drafts"):
+        study.run(prompts, 4, research.flat_schedule(9))
+    with pytest.raises(ValueError, match="width 40"):
+        study.run(prompts, 4, research.flat_schedule(1), width=40)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        study.run(prompts, 500, research.flat_schedule(1))
+    with pytest.raises(ValueError, match="n_max"):
+        research.ladder_schedule(2, "8:1,4:3")
+    with pytest.raises(ValueError, match="MTP"):
+        research.Study(research.study_for("small").cfg.replace(num_mtp_layers=0), {})
+
+
+def test_heldout_prompts_are_deterministic_lines():
+    a, b = research.heldout_prompts(4, 32, seed=9), research.heldout_prompts(4, 32, seed=9)
+    assert a == b and all(len(p) == 32 for p in a)
+    with pytest.raises(ValueError, match="held-out prompts"):
+        research.heldout_prompts(10**7, 32)
