@@ -66,9 +66,9 @@ class PallasOps:
             return gdn_api.recurrent_gated_delta_rule(*args, implementation="reference")
         return gdn_api.recurrent_gated_delta_rule(*args, interpret=self.interpret)
 
-    def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block):
+    def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block, layer=None):
         """The new (k_cache, v_cache); the reference scatter on every backend."""
-        return attn_api.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block)
+        return attn_api.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block, layer)
 
     def attention(self, q, k_cache, v_cache, block_tables, positions, scale):
         """[B, T, H, D] in q's dtype; see `paged_attention.api.paged_attention`."""

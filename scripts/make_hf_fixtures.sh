@@ -62,5 +62,6 @@ assert torch.version.cuda is None, f"a CUDA torch ({torch.__version__}) is in th
 assert int(transformers.__version__.split(".")[0]) >= 5, transformers.__version__
 EOF
 
+if [ "${1:-}" = "--venv-only" ]; then exit 0; fi  # the benchmarks only need the venv
 cd "$ROOT"
 exec "$VENV/bin/python" scripts/make_hf_fixtures.py --out tests/fixtures/hf "$@"

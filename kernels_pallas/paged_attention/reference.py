@@ -70,19 +70,24 @@ def widen(x, dtype):
     return x.astype(dtype).astype(jnp.float32)
 
 
-def write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block: int):
+def write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block: int, layer=None):
     """Scatter rows' K/V into the pool.
 
-    k, v: [B, T, KV, D]; positions [B, T] int32 (< 0 = padding). Returns the new caches.
+    k, v: [B, T, KV, D]; positions [B, T] int32 (< 0 = padding). Caches are one layer's
+    [NB, bs, KV, D], or, with `layer` (int32 scalar, may be traced), the stacked [L, NB, bs, KV, D]
+    written at that layer. Returns the new caches.
+    NOTE: writing the stacked cache in place (rather than a layer slice that is then put back)
+    keeps XLA from copying a layer's whole KV in and out at every step.
     """
-    bs = k_cache.shape[1]
+    bs = k_cache.shape[-3]
     valid = positions >= 0
     pos = jnp.where(valid, positions, 0)
     blk = jnp.take_along_axis(block_tables, pos // bs, axis=1)
     blk = jnp.where(valid, blk, null_block)
     off = jnp.where(valid, pos % bs, 0)
-    k_cache = k_cache.at[blk, off].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[blk, off].set(v.astype(v_cache.dtype))
+    idx = (blk, off) if layer is None else (layer, blk, off)
+    k_cache = k_cache.at[idx].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[idx].set(v.astype(v_cache.dtype))
     return k_cache, v_cache
 
 

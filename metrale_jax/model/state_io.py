@@ -67,8 +67,8 @@ class ReferenceOps:
     def gdn_rows(self, q, k, v, g, beta, h0):
         return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, h0)
 
-    def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block):
-        return attn_ref.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block)
+    def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block, layer=None):
+        return attn_ref.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block, layer)
 
     def attention(self, q, k_cache, v_cache, block_tables, positions, scale):
         return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
@@ -145,11 +145,17 @@ class PoolIO:
         )
 
     def attention(self, state: TrunkState, ai: int, q, k, v):
-        """Write rows' K/V into layer ai's blocks, then attend. Returns (o [B, T, H, D], state)."""
-        kc, vc = self.ops.write_kv(
-            state.kv_k[ai], state.kv_v[ai], k, v, self.block_tables, self.positions, self.null_block
+        """Write rows' K/V into layer ai's blocks, then attend. Returns (o [B, T, H, D], state).
+
+        NOTE: the write scatters into the stacked [L, NB, ...] cache and the fence passes the whole
+        stacked cache, slicing layer ai inside it: no layer's KV is copied out and back per step.
+        """
+        kv_k, kv_v = self.ops.write_kv(
+            state.kv_k, state.kv_v, k, v, self.block_tables, self.positions, self.null_block, ai
         )
         scale = self.cfg.head_dim**-0.5
-        o = _fenced(lambda *a: self.ops.attention(*a, scale), q, kc, vc, self.block_tables, self.positions)
-        state = state.replace(kv_k=state.kv_k.at[ai].set(kc), kv_v=state.kv_v.at[ai].set(vc))
-        return o, state
+        o = _fenced(
+            lambda q, kk, vv, bt, pos: self.ops.attention(q, kk[ai], vv[ai], bt, pos, scale),
+            q, kv_k, kv_v, self.block_tables, self.positions,
+        )
+        return o, state.replace(kv_k=kv_k, kv_v=kv_v)

@@ -1,0 +1,127 @@
+"""The models and serve settings the benchmarks run, and the checkpoint both sides load.
+
+Owns: `qwen3_next_pattern` (the released Qwen3-Next layer pattern, any depth, at the tiny preset's
+width: the graph that decides compile time is the layer count), `qwen35_stack` (a Qwen3.5-35B-A3B
+layer stack at full width for the GPU roofline, or at tiny width for its dry run), `settings`
+(EngineSettings from flags, as the tests build them) and `write_checkpoint` (the random
+checkpoint written once in the HF safetensors layout, so HF `from_pretrained` reads the very
+weights the engine runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+
+from metrale_jax.checkpoint import save_checkpoint
+from metrale_jax.config import FULL, LINEAR, ModelConfig, load_model_config
+from metrale_jax.engine.settings import resolve_settings
+from metrale_jax.params import init_params
+from metrale_jax.presets import PRESETS, TINY, resolve_checkpoint
+
+
+def interval_pattern(layers: int, interval: int = 4) -> tuple[str, ...]:
+    """Qwen3-Next / Qwen3.5 `full_attention_interval`: layer i is full attention iff (i+1) % interval == 0."""
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers))
+
+
+def qwen3_next_pattern(layers: int = 48, interval: int = 4) -> ModelConfig:
+    """The Qwen3-Next-80B-A3B stack (full attention every 4th layer, MoE in every layer, one MTP
+    layer) at the tiny preset's widths. 48 layers = 12 groups of 4 in the scan layout."""
+    return TINY.replace(num_hidden_layers=layers, layer_types=interval_pattern(layers, interval), mlp_only_layers=())
+
+
+def qwen35_stack(layers: int = 4, tiny: bool = False) -> ModelConfig:
+    """Qwen3.5-35B-A3B (hidden 2048, GDN nk 16 / nv 32 x 128, attention 16:2 x 256, 256 experts
+    top-8 of 512, shared 512, vocab 248320, one MTP layer) with `layers` layers of its pattern
+    (3 GDN : 1 attention). tiny: the same pattern at the tiny preset's widths (dry runs)."""
+    if tiny:
+        return TINY.replace(
+            model_type="qwen3_5_moe_text", num_hidden_layers=layers, layer_types=interval_pattern(layers),
+            mlp_only_layers=(), weight_layout="qwen3_5", trunk_prefix="model.language_model",
+            linear_key_head_dim=TINY.linear_value_head_dim,  # dk = dv, as in the release (gpu_check's kernel cases assume it)
+        )
+    return ModelConfig(
+        model_type="qwen3_5_moe_text",
+        vocab_size=248320,
+        hidden_size=2048,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        layer_types=interval_pattern(layers),
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_mtp_layers=1,
+        weight_layout="qwen3_5",
+        trunk_prefix="model.language_model",
+    )
+
+
+# Small models for the smoke run (compile time grows with the layer count):
+# tiny-2L: the tiny preset's first two layers (GDN + MoE, attention + dense MLP);
+SMALL = {"tiny-2L": TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL), mlp_only_layers=(1,))}
+
+
+def _pattern_name(name: str):
+    """`qwen3-next-<L>L` or `qwen3-next-<L>L-i<interval>` -> (L, interval), else None."""
+    if not name.startswith("qwen3-next-"):
+        return None
+    body, _, interval = name[len("qwen3-next-") :].partition("-i")
+    if not body.endswith("L") or not body[:-1].isdigit() or (interval and not interval.isdigit()):
+        return None
+    return int(body[:-1]), int(interval or 4)
+
+
+def config(name: str) -> ModelConfig:
+    """The config of `model(name)` without building its weights."""
+    if (p := _pattern_name(name)) is not None:
+        return qwen3_next_pattern(*p)
+    if name in SMALL:
+        return SMALL[name]
+    if name in PRESETS:
+        return PRESETS[name][0]
+    return load_model_config(name)
+
+
+def model(name: str, dtype=jnp.float32):
+    """(cfg, params) of a benchmark model: a preset (`tiny`), `tiny-2L`, `qwen3-next-<L>L[-i<n>]`
+    (the Qwen3-Next pattern with L layers, full attention every n-th (default 4), at tiny width)
+    or a checkpoint directory. Random weights are seeded (seed 0): the same bytes every run."""
+    if _pattern_name(name) is not None or name in SMALL:
+        cfg = config(name)
+        return cfg, init_params(cfg, 0, dtype)
+    return resolve_checkpoint(name, "float32" if dtype == jnp.float32 else "bfloat16")
+
+
+def settings(**flags):
+    """EngineSettings from serve flags given as Python values (KV f32 unless given: the serve
+    default, fp8, is lossy next to a float32 model and HF keeps its cache in float32)."""
+    flags.setdefault("kv_cache_dtype", "f32")
+    raw = {k: (str(v) if k == "max_batch_size" else v) for k, v in flags.items()}
+    return resolve_settings(raw, None, auto_slots=int(flags.get("max_batch_size", 8)))
+
+
+def write_checkpoint(directory: str, cfg: ModelConfig, params) -> str:
+    """Write (once) `params` as an HF-loadable checkpoint in `directory`; an existing one whose
+    config.json equals `cfg`'s is reused (weights are a pure function of the model name)."""
+    path = os.path.join(directory, "config.json")
+    want = cfg.to_hf_dict()
+    if os.path.isfile(path) and os.path.isfile(os.path.join(directory, "model.safetensors")):
+        with open(path) as f:
+            if json.load(f) == json.loads(json.dumps(want)):
+                return directory
+    save_checkpoint(directory, cfg, params)
+    return directory

@@ -1,0 +1,135 @@
+"""Section `hf`: the JAX engine against Hugging Face transformers on the CPU, in one run.
+
+Same config and the same weights: the benchmark model is written once as an HF checkpoint
+(`models.write_checkpoint`), the engine runs those params and HF `from_pretrained`s the folder in
+its own Python 3.11 venv (`hf_driver.py`, a subprocess that stays up for the whole section).
+
+Cases (each: the first call on each side is compared, then warm-up, then repeats alternated
+JAX/HF so both share the machine's conditions; medians and the per-round ratio's spread):
+- prefill of T tokens (one sequence, one chunk, last-row logits only on both sides): tok/s;
+- one decode step of n sequences over a `ctx`-token context;
+- one verify step: K tokens per sequence of n sequences over the context (HF: the forward of
+  those K tokens over a copy of its cache, every row's logits; engine: `verify_batched`, then
+  `rollback_verify` so every repeat starts from the same state).
+
+Differences in the work done, both against the engine: the engine's verify also runs the MTP
+drafter's catch-up layer (one extra attention + MoE layer) that HF does not have, and its MoE
+runs every expert on every row (see `metrale_jax.model.mlp.moe`); HF's runs only the routed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+
+from benchmarks import models
+from benchmarks.hf_env import HFClient
+from benchmarks.steps import DeviceStep, StepBench
+from benchmarks.timing import Stats, paired
+
+
+@dataclasses.dataclass
+class HFCase:
+    kind: str  # prefill | decode | verify
+    n: int
+    t: int  # tokens per sequence in the timed step (prefill T, decode 1, verify K)
+    jax: Stats
+    hf: Stats
+    ratio: Stats  # per-round JAX/HF
+    jax_first_s: float  # the engine's first call (compiles its programs)
+    jax_device_s: float  # the step's compiled program alone, median (no host work, no logits copy)
+    max_abs_diff: float  # |JAX - HF| logits of the first call
+    max_abs_logit: float
+
+    @property
+    def ratio_of_medians(self) -> float:
+        return self.jax.median / self.hf.median
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ratio_of_medians"] = self.ratio_of_medians
+        d["hf_over_jax"] = 1.0 / self.ratio_of_medians
+        if self.kind == "prefill":
+            d["jax_tok_s"] = self.t / self.jax.median
+            d["hf_tok_s"] = self.t / self.hf.median
+        return d
+
+
+def _log(msg: str) -> None:
+    print(f"[bench hf] {msg}", file=sys.stderr, flush=True)
+
+
+def _diff(a, b) -> tuple[float, float]:
+    a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
+    return float(np.abs(a - b).max()), float(np.abs(b).max())
+
+
+def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, ctx: int, repeats: int,
+        warmup: int, threads: int | None = None, impl: str = "default", seed: int = 0) -> dict:
+    """Every case of the section; returns {"hf": driver facts, "cases": [...], "model": ...}."""
+    cfg, params = models.model(model_name)
+    if os.path.isdir(model_name):  # a checkpoint directory: HF reads it as it is
+        ckpt = os.path.abspath(model_name)
+    else:
+        ckpt = models.write_checkpoint(os.path.join(workdir, f"ckpt_{model_name}"), cfg, params)
+    rng = np.random.default_rng(seed)
+    vocab = cfg.vocab_size
+    longest = max([*prefill_lens, ctx + max(ks) + 2])
+    max_seq_len = 16 * (-(-(longest + 17) // 16))
+    cases: list[HFCase] = []
+
+    def rand(*shape):
+        return rng.integers(0, vocab, size=shape).tolist()
+
+    with HFClient(hf_python, os.path.join(workdir, "hf_driver.stderr")) as hf:
+        info = hf.call("load", dir=ckpt, threads=threads or os.cpu_count(), impl=impl)
+        info.pop("ok")
+        _log(f"HF loaded: {info}")
+
+        def pair(kind, n, t, bench, jax_call, hf_req):
+            dev = DeviceStep(bench.engine, "prefill_chunk" if kind == "prefill" else "step_rows")
+            jax_first, jax_logits = jax_call()
+            dev.release()
+            hf_logits = hf.call(**hf_req, logits=True)["logits"]
+            diff, scale = _diff(jax_logits, hf_logits)
+            js, hs, rs = paired(lambda: jax_call()[0], lambda: hf.call(**hf_req)["seconds"], repeats, warmup)
+            device_s = dev.time(max(repeats, 1))
+            case = HFCase(kind, n, t, js, hs, rs, jax_first, device_s, diff, scale)
+            _log(f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}, |dlogit| {diff:.1e}")
+            cases.append(case)
+
+        base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len)
+        for t in prefill_lens:
+            toks = rand(t)
+            pair("prefill", 1, t, base, lambda: base.prefill(toks), dict(op="prefill", tokens=toks))
+
+        prompts = {n: rand(n, ctx) for n in ns}
+        for n in ns:
+            hf.call("context", name=f"n{n}", tokens=prompts[n])
+            base.context(f"n{n}", prompts[n])
+            step = rand(n)
+            pair("decode", n, 1, base, lambda: base.decode(f"n{n}", step), dict(op="step", context=f"n{n}", tokens=[[x] for x in step]))
+            base.free_context(f"n{n}")
+        del base
+
+        for k in ks:
+            spec = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, speculative=True, num_drafts=k - 1,
+                             mtp_k_ladder=f"{max(ns)}:{k - 1}")  # every slot may verify K rows
+            for n in ns:
+                spec.context(f"n{n}", prompts[n])
+                rows = rand(n, k)
+                pair("verify", n, k, spec, lambda: spec.verify(f"n{n}", rows), dict(op="step", context=f"n{n}", tokens=rows))
+                spec.free_context(f"n{n}")
+            del spec
+    return {
+        "model": model_name,
+        "checkpoint": ckpt,
+        "context_tokens": ctx,
+        "repeats": repeats,
+        "warmup": warmup,
+        "hf": info,
+        "cases": [c.to_json() for c in cases],
+    }

@@ -1,0 +1,134 @@
+"""The benchmark harness (`python -m benchmarks`, issue #8) in its `--smoke` mode: every section
+runs end to end at tiny sizes with one repeat, the tables and the JSON come out, and the
+benchmark's own verify-loop driver compiles nothing after its warm-up (scan and unrolled).
+
+The smoke run is the real entry point in a subprocess, with XLA's CPU backend optimisations off
+(its timings mean nothing; it compiles about a third faster). Nothing here asserts on wall time.
+The HF side runs only when its venv already exists (smoke never creates it); otherwise the
+section must say it was skipped and why.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import cli, hf_env, models, roofline  # noqa: E402
+from benchmarks.timing import Stats, paired  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    path = d / "bench.json"
+    env = dict(os.environ, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--json", str(path), "--workdir", str(d)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {"table": r.stdout}, json.loads(path.read_text())
+
+
+def test_smoke_prints_every_table_and_writes_the_json(smoke):
+    res, saved = smoke
+    assert list(saved["sections"]) == ["hf", "compile", "forwards", "roofline"] and saved["failed"] == []
+    for title in ("machine:", "HF transformers", "== Compile cost", "== Forwards", "== Roofline (DRY RUN"):
+        assert title in res["table"]
+    assert saved["machine"]["load_average_1_5_15"] and saved["machine"]["cpu_count"] >= 1
+    assert set(saved["load"]) == set(saved["sections"])
+
+
+def test_hf_section_compares_the_same_weights_or_says_why_it_was_skipped(smoke):
+    _, saved = smoke
+    hf = saved["sections"]["hf"]
+    if "skipped" in hf:
+        assert "venv" in hf["skipped"]
+        assert hf_env.ensure_hf_venv(create=False)[0] is None
+        return
+    assert [c["kind"] for c in hf["cases"]] == ["prefill", "decode", "verify"]
+    for c in hf["cases"]:
+        assert c["max_abs_diff"] <= 1e-4 * c["max_abs_logit"], c  # both sides run the same float32 weights
+        assert math.isfinite(c["ratio_of_medians"]) and c["ratio_of_medians"] > 0
+        assert c["jax"]["n"] == c["hf"]["n"] == 1 and c["jax_device_s"] > 0
+
+
+def test_verify_loop_driver_compiles_nothing_after_warmup(smoke):
+    """The benchmark's own ragged verify loop: every program compiles in its first step, and
+    neither the engine nor JAX's backend compiles anything in the steps after warm-up."""
+    _, saved = smoke
+    cases = saved["sections"]["compile"]["cases"]
+    assert sorted(c["layout"] for c in cases) == ["scan", "unrolled"]
+    for c in cases:
+        assert c["groups"] == 2
+        for run in c["runs"]:
+            assert run["recompiles_after_warmup"] == 0
+            assert run["backend_compiles_after_warmup"] == 0
+            assert run["compilations_after_first_step"] == run["compilations"]
+            assert {p["name"] for p in run["programs"]} == {"prefill_chunk", "propose", "step_rows", "stash_rows", "gdn_fold", "commit_conv"}
+
+
+def test_forwards_agree_and_the_roofline_dry_run_is_consistent(smoke):
+    _, saved = smoke
+    fw = saved["sections"]["forwards"]
+    assert fw["interpret"] and fw["refusals"] == []
+    for c in fw["cases"]:
+        assert c["max_abs_diff"] <= 1e-4 and c["ratio_of_medians"] > 0
+    rl = saved["sections"]["roofline"]
+    assert rl["dry_run"] and rl["refusals"] == []
+    for s in rl["steps"]:
+        assert 0 < s["floor_must_ms"] <= s["floor_impl_ms"]
+        assert s["device_ms"] > 0 and s["engine_ms"] > 0
+        assert [k["kernel"] for k in s["kernels"]] == ["gdn_rows", "attention"] and all(k["ok"] for k in s["kernels"])
+
+
+def test_step_bytes_of_the_real_qwen35_stack():
+    """The roofline's accounting at Qwen3.5-35B-A3B width (no arrays are built)."""
+    cfg = models.qwen35_stack(4)
+    st = models.settings(max_batch_size=8, max_seq_len=4096, speculative=True, num_drafts=3, kv_cache_dtype="bf16")
+    one = roofline.step_bytes(cfg, st, n=1, t=1, ctx=1000, verify=False, drafter=False, weight_bytes=2)
+    expert = 3 * 2048 * 512 * 2  # gate, up, down of one expert, bf16
+    assert one["experts_hit_per_layer"] == pytest.approx(8)
+    assert one["weights_impl"] - one["weights_must"] == pytest.approx(4 * (256 - 8) * expert)
+    assert one["kv"] == 1 * 1 * (1001 + 1) * 2 * 256 * 2 * 2  # one attention layer: ctx + 1 keys read, 1 written
+    assert one["state"] == 3 * (2 * 32 * 128 * 128 * 4 + 2 * 8192 * 4 * 2)
+    ver = roofline.step_bytes(cfg, st, n=8, t=4, ctx=1000, verify=True, drafter=True, weight_bytes=2)
+    assert one["weights_must"] < ver["weights_must"] < ver["weights_impl"]
+    assert ver["logits"] == 32 * 248320 * 4
+
+
+def test_hf_section_is_skipped_with_a_reason_when_its_venv_is_absent(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_VENV", str(tmp_path / "no-venv"))
+    a = cli.parser().parse_args(["--smoke", "--no-hf-setup"])
+    out = cli._section("hf", cli._resolve(a), a)
+    assert "not ready" in out["skipped"] and "make_hf_fixtures.sh" in out["skipped"]
+
+
+def test_gpu_mode_needs_a_gpu_or_a_dry_run(capsys):
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        cli.run(["--gpu"])
+    assert "--gpu --dry-run" in capsys.readouterr().err
+
+
+def test_paired_alternates_and_reports_per_round_ratios():
+    order = []
+    a = lambda: order.append("a") or 2.0  # noqa: E731
+    b = lambda: order.append("b") or 1.0  # noqa: E731
+    sa, sb, r = paired(a, b, repeats=3, warmup=1)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert (sa.median, sb.median, r.median, r.spread) == (2.0, 1.0, 2.0, 0.0)
+    assert Stats.of([3.0, 1.0, 2.0]).median == 2.0
