@@ -65,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
                         "directory (default tiny; smoke tiny-2L)")
     g.add_argument("--prefill-lens", type=_ints, default=None, help="default 128,512,2048")
     g.add_argument("--ns", type=_ints, default=None, help="sequences per decode/verify step, default 1,4,8")
-    g.add_argument("--ks", type=_ints, default=None, help="verify rows per sequence, default 2,4")
+    g.add_argument("--ks", type=_ints, default=None, help="verify rows per sequence, default 2,3,4")
     g.add_argument("--ctx", type=int, default=None, help="context tokens before decode/verify, default 128")
     g.add_argument("--hf-impl", default="default", choices=("default", "eager"),
                    help="HF attention/experts implementations: from_pretrained's defaults or eager")
@@ -96,7 +96,7 @@ def _resolve(a) -> dict:
         forward_steps=d(a.forward_steps, ["prefill", "decode", "verify"], ["verify"]),
         sections=a.sections or (["roofline"] if a.gpu else (["hf", "compile", "forwards", "roofline"] if smoke else ["hf", "compile", "forwards"])),
         repeats=d(a.repeats, 7, 1), warmup=d(a.warmup, 2, 0),
-        prefill_lens=d(a.prefill_lens, [128, 512, 2048], [16]), ns=d(a.ns, [1, 4, 8], [1]), ks=d(a.ks, [2, 4], [2]),
+        prefill_lens=d(a.prefill_lens, [128, 512, 2048], [16]), ns=d(a.ns, [1, 4, 8], [1]), ks=d(a.ks, [2, 3, 4], [2]),
         ctx=d(a.ctx, 128, 16),
         compile_models=d(a.compile_models, ["tiny", "qwen3-next-48L"], ["qwen3-next-4L-i2"]), compile_steps=d(a.compile_steps, 50, 5),
         compile_repeats=d(a.compile_repeats, 2, 1), isolate=not (a.no_isolate or smoke),
