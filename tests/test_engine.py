@@ -292,9 +292,10 @@ def test_errors_leave_no_leak(eng):
     with pytest.raises(EngineError, match="cannot verify K=5"):
         eng.verify_batched([seq], [1] * 5, [5])
     taken = eng.blocks.alloc_many(eng.blocks.free_count)
+    held = list(seq.blocks)
     with pytest.raises(EngineError, match="KV blocks exhausted"):
-        eng.decode_batch([seq], [1] * 1) if len(seq.blocks) * 16 > 4 else None
         eng.prefill(seq, [1] * 40)
+    assert (seq.seq_len, seq.blocks) == (3, held)  # the refused prefill changed nothing
     eng.blocks.free_many(taken)
     eng.free_sequence(seq)
     with pytest.raises(EngineError, match="already freed"):
