@@ -16,10 +16,17 @@ def _threads(argv) -> int:
 
 _gpu = "--gpu" in sys.argv[1:] and "--dry-run" not in sys.argv[1:]
 _n = _threads(sys.argv[1:])
-if _n == 1 and not _gpu:
-    # One XLA CPU thread, no Eigen pool: the HF side gets torch.set_num_threads(1) to match.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                               " intra_op_parallelism_threads=1").strip()
+if _n == 1 and not _gpu and hasattr(os, "sched_setaffinity"):
+    # One core per side. XLA CPU runs a program's thunks on a pool of one thread per core
+    # (concurrently where they are independent), so the affinity, not a thread flag, is what
+    # makes it single-core; on this 2-vCPU machine it also removes most of the spread (tiny
+    # verify step: 1.6 ms pinned, 1.8-2.5 ms free). The HF driver gets the other core
+    # (METRALE_BENCH_HF_CPU, applied by `HFClient`), so neither side's spin-waiting slows the other.
+    # NOTE: not --xla_cpu_multi_thread_eigen=false: with it XLA CPU copies every weight matrix
+    # into a transposed layout at every step (48 extra copies in a tiny verify step).
+    _cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_cpus[0]})
+    os.environ["METRALE_BENCH_HF_CPU"] = str(_cpus[-1])
 if _n >= 1 and not _gpu:
     # The BLAS/LAPACK pools too (both sides inherit them): jaxlib's CPU LAPACK calls (the XLA GDN
     # chunk reference's triangular solve) run on scipy's OpenBLAS, whose default pool of one

@@ -18,7 +18,9 @@ def _q(s: dict) -> str:
 def machine_line(m: dict) -> str:
     load = m.get("load_average_1_5_15") or []
     return (f"machine: {m.get('cpu_count')} cores, load average {'/'.join(str(x) for x in load)} (1/5/15 min), "
-            f"jax {m.get('jax')} on {m.get('backend')}, threads per side {m.get('threads', 'default')}, {m.get('time')}")
+            f"jax {m.get('jax')} on {m.get('backend')}, threads per side {m.get('threads', 'default')}"
+            + (f", JAX on cpu {m['jax_cpus']} / HF on cpu {m['hf_cpu']}" if m.get("hf_cpu") is not None else "")
+            + f", {m.get('time')}")
 
 
 def hf_table(r: dict) -> str:

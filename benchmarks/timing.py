@@ -86,6 +86,8 @@ def machine_info() -> dict:
     return {
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
+        "jax_cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "hf_cpu": os.environ.get("METRALE_BENCH_HF_CPU"),
         "load_average_1_5_15": load_average(),
         "python": platform.python_version(),
         "jax": jax.__version__,

@@ -34,6 +34,7 @@ from jax import lax
 
 TILE_KEYS = 64  # keys per tile: tile_pages(bs) blocks, read per loop step
 MIN_ROWS = 2  # a row matrix has at least this many rows (padding rows at position -1)
+UNROLL_TILES = 4  # block tables of at most this many key tiles are walked without a loop
 
 
 def tile_pages(bs: int) -> int:
@@ -142,7 +143,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
         return jnp.where(walking[..., None], acc_new, acc), jnp.where(walking, m_new, mx), jnp.where(walking, l_new, l)
 
     init = (jnp.zeros((b, kvh, mp, d), f32), jnp.full((b, kvh, mp), -jnp.inf, f32), jnp.zeros((b, kvh, mp), f32))
-    acc, _, l = lax.fori_loop(0, jnp.max(n_tiles), body, init)
+    max_tiles = tables.shape[1] // pages
+    if max_tiles <= UNROLL_TILES:
+        # NOTE: a short table is walked tile by tile without a loop (every tile; a sequence past
+        # its last one keeps its carry): XLA CPU loop control costs more than a tile's body.
+        carry = init
+        for j in range(max_tiles):
+            carry = body(j, carry)
+        acc, _, l = carry
+    else:
+        acc, _, l = lax.fori_loop(0, jnp.max(n_tiles), body, init)
     out = jnp.where((row_pos >= 0)[:, None, :, None], acc / l[..., None], 0.0)  # padding rows: l = 0 -> 0
     out = out[:, :, :m].reshape(b, kvh, t, rep, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)

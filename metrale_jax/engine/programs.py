@@ -30,8 +30,10 @@ class ProgramInfo:
 
 
 def _signature(args):
+    """Tree structure plus every leaf's (shape, dtype): what decides whether a program fits.
+    NOTE: dtype objects, not their names (str(dtype) cost ~8 us a leaf, ~1 ms a step)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    return tree, tuple((x.shape, x.dtype) for x in leaves)
 
 
 def count_launches(hlo_text: str) -> int:
