@@ -21,7 +21,7 @@ if _n == 1 and not _gpu and hasattr(os, "sched_setaffinity"):
     # (concurrently where they are independent), so the affinity, not a thread flag, is what
     # makes it single-core; on this 2-vCPU machine it also removes most of the spread (tiny
     # verify step: 1.6 ms pinned, 1.8-2.5 ms free). The HF driver gets the other core
-    # (METRALE_BENCH_HF_CPU, applied by `HFClient`), so neither side's spin-waiting slows the other.
+    # (METRALE_BENCH_HF_CPU, applied by `hf_driver.py`): the two processes never share a core.
     # NOTE: not --xla_cpu_multi_thread_eigen=false: with it XLA CPU copies every weight matrix
     # into a transposed layout at every step (48 extra copies in a tiny verify step).
     _cpus = sorted(os.sched_getaffinity(0))

@@ -13,8 +13,9 @@ Presets:
 - `--gpu`: the roofline at Qwen3.5-35B-A3B width on an NVIDIA GPU; `--gpu --dry-run` the same
   path at tiny width under the interpreter, on any machine.
 
-Threads: `--threads 1` (default) runs both sides single-threaded (XLA without its Eigen pool,
-torch.set_num_threads(1), and OPENBLAS/OMP/MKL_NUM_THREADS=1 for the BLAS/LAPACK both call): on
+Threads: `--threads 1` (default) runs both sides on one core each (the engine's process pinned
+to the first allowed CPU, which sizes XLA's thread pool to one; the HF driver pinned to the last,
+with torch.set_num_threads(1)), and OPENBLAS/OMP/MKL_NUM_THREADS=1 for the BLAS/LAPACK both call: on
 a shared 2-core machine a 2-thread pool (torch's OpenMP, the OpenBLAS under jaxlib's LAPACK
 calls) stalls 10-1000x when the load exceeds the cores. `--threads 0` leaves every library at its
 default; N >= 2 gives torch and the BLAS pools N threads and XLA its default pool. Applied in

@@ -31,6 +31,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+# `python -m benchmarks --threads 1` gives this side its own core (the engine keeps another).
+if os.environ.get("METRALE_BENCH_HF_CPU") and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {int(os.environ["METRALE_BENCH_HF_CPU"])})
+
 # The protocol owns the real stdout; anything a library prints goes to stderr.
 _PROTO = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
 sys.stdout = sys.stderr

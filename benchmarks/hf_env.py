@@ -73,12 +73,8 @@ class HFClient:
         env.pop("PYTHONPATH", None)
         self._err = open(stderr_path, "w")
         self.stderr_path = stderr_path
-        cpu = os.environ.get("METRALE_BENCH_HF_CPU")  # set by `python -m benchmarks --threads 1`
-        pin = (lambda: os.sched_setaffinity(0, {int(cpu)})) if cpu is not None else None
-        self.cpu = None if cpu is None else int(cpu)
         self.proc = subprocess.Popen(
-            [python, DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env, cwd=ROOT,
-            preexec_fn=pin,
+            [python, DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env, cwd=ROOT
         )
 
     def call(self, op: str, **fields) -> dict:
