@@ -70,8 +70,13 @@ class PallasOps:
         """The new (k_cache, v_cache); the reference scatter on every backend."""
         return attn_api.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block, layer)
 
-    def attention(self, q, k_cache, v_cache, block_tables, positions, scale):
-        """[B, T, H, D] in q's dtype; see `paged_attention.api.paged_attention`."""
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale, layer=None):
+        """[B, T, H, D] in q's dtype; see `paged_attention.api.paged_attention`. With `layer`, the
+        caches are stacked [L, NB, ...] and the kernel gets that layer's slice.
+        NOTE: the kernel addresses one layer's cache (its offsets are int32), so the slice is taken
+        here; XLA may materialise it (a per-step copy of the layer's KV the reference avoids)."""
+        if layer is not None:
+            k_cache, v_cache = k_cache[layer], v_cache[layer]
         args = (q, k_cache, v_cache, block_tables, positions)
         if _refused("attention", attn_api.paged_attention_supported(*args, backend=self.backend)):
             return attn_api.paged_attention(*args, scale, implementation="reference")

@@ -235,3 +235,17 @@ def test_refused_kernel_raises():
         api.paged_attention(q[:, :, :3], kc, vc, tables, positions, SCALE, interpret=True)
     with pytest.raises(ValueError, match="form"):
         api.paged_attention(q, kc, vc, tables, positions, SCALE, interpret=True, form="sorted")
+
+
+@pytest.mark.parametrize("case", ["decode", "verify"])
+def test_stacked_cache_reads_the_layer(case):
+    """The reference reading a stacked [L, NB, ...] cache at `layer` (static or traced, as in the
+    scan layout) gives the bytes of the same layer's cache passed alone; other layers hold NaN."""
+    q, kc, vc, tables, positions = _inputs(case, 8, 2, "f32", seed=2)
+    alone = ref_attention(q, kc, vc, tables, positions, SCALE)
+    nan = np.full_like(kc, np.nan)
+    kst, vst = np.stack([nan, kc, nan]), np.stack([nan, vc, nan])
+    static = jax.jit(functools.partial(reference.paged_attention, scale=SCALE, layer=1))
+    traced = jax.jit(functools.partial(reference.paged_attention, scale=SCALE))
+    _assert_bytes_equal(static(q, kst, vst, tables, positions), alone)
+    _assert_bytes_equal(traced(q, kst, vst, tables, positions, layer=jnp.int32(1)), alone)

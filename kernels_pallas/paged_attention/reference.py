@@ -92,10 +92,12 @@ def write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block: int, l
     return k_cache, v_cache
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, layer=None):
     """Causal GQA attention of query rows over their sequences' paged KV.
 
-    q: [B, T, H, D]; positions [B, T] (< 0 = padding). Returns [B, T, H, D] in q's dtype.
+    q: [B, T, H, D]; positions [B, T] (< 0 = padding). Caches are one layer's [NB, bs, KV, D], or,
+    with `layer` (int32 scalar, may be traced), the stacked [L, NB, bs, KV, D] read at that layer.
+    Returns [B, T, H, D] in q's dtype.
 
     Each (sequence, kv head) is one matrix of M = T * rep query rows (row t * rep + r is query head
     kv * rep + r of row t), walked over key tiles of `tile_pages(bs)` blocks from key 0 to the tile
@@ -105,7 +107,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
     product, whose summation order depends on the batch around it (the kernel pads alike).
     """
     b, t, h, d = q.shape
-    nb, bs, kvh, _ = k_cache.shape
+    nb, bs, kvh, _ = k_cache.shape[-4:]
     rep = h // kvh
     m = t * rep
     mp = max(m, MIN_ROWS)
@@ -120,7 +122,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float):
     tables = jnp.pad(block_tables, [(0, 0), (0, (-block_tables.shape[1]) % pages)])  # [B, MBp]
 
     def load(cache, ids):  # ids [B, pages] -> [B, KV, tile, D], q's dtype widened
-        return widen(cache[ids].reshape(b, tile, kvh, d).transpose(0, 2, 1, 3), q.dtype)
+        # NOTE: one gather from the stacked cache; slicing the layer out first made XLA copy the
+        # layer's whole KV at every step (the step's cost grew with the pool, not the work).
+        blocks = cache[ids] if layer is None else cache[layer, ids]
+        return widen(blocks.reshape(b, tile, kvh, d).transpose(0, 2, 1, 3), q.dtype)
 
     def body(j, carry):
         acc, mx, l = carry  # [B, KV, Mp, D] [B, KV, Mp] [B, KV, Mp] f32

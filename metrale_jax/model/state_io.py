@@ -70,8 +70,8 @@ class ReferenceOps:
     def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block, layer=None):
         return attn_ref.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block, layer)
 
-    def attention(self, q, k_cache, v_cache, block_tables, positions, scale):
-        return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale, layer=None):
+        return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,14 +148,14 @@ class PoolIO:
         """Write rows' K/V into layer ai's blocks, then attend. Returns (o [B, T, H, D], state).
 
         NOTE: the write scatters into the stacked [L, NB, ...] cache and the fence passes the whole
-        stacked cache, slicing layer ai inside it: no layer's KV is copied out and back per step.
+        stacked cache with the layer index to the op: no layer's KV is copied per step.
         """
         kv_k, kv_v = self.ops.write_kv(
             state.kv_k, state.kv_v, k, v, self.block_tables, self.positions, self.null_block, ai
         )
         scale = self.cfg.head_dim**-0.5
         o = _fenced(
-            lambda q, kk, vv, bt, pos: self.ops.attention(q, kk[ai], vv[ai], bt, pos, scale),
+            lambda q, kk, vv, bt, pos: self.ops.attention(q, kk, vv, bt, pos, scale, layer=ai),
             q, kv_k, kv_v, self.block_tables, self.positions,
         )
         return o, state.replace(kv_k=kv_k, kv_v=kv_v)

@@ -42,9 +42,12 @@ class TrainOps(ReferenceOps):
     def gdn_chunk(self, q, k, v, g, beta, h0):
         return gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size=self.chunk)
 
-    def attention(self, q, k_cache, v_cache, block_tables, positions, scale):
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale, layer=None):
         """Causal GQA attention of rows q [B, T, H, D] (positions [B, T], < 0 = padding) over
-        their sequences' paged KV, all keys at once; f32 scores and softmax."""
+        their sequences' paged KV (stacked caches read at `layer`), all keys at once; f32 scores
+        and softmax."""
+        if layer is not None:
+            k_cache, v_cache = k_cache[layer], v_cache[layer]
         b, t, h, d = q.shape
         _, bs, kvh, _ = k_cache.shape
         span = block_tables.shape[1] * bs
