@@ -22,7 +22,7 @@ Invariants:
   device kind): XLA's scratch differs between backends.
 - A program's analysis is cached on disk under a key of everything that determines the
   compiled program (program, model config, counts, argument shapes and dtypes, static flags,
-  forward, JAX/jaxlib versions, backend, and a digest of the engine and model sources), so a
+  forward, JAX/jaxlib versions, backend, and a digest of the engine, model and kernel sources), so a
   warm evaluation compiles nothing.
 - Within one "family" (every shape but the two paged-KV block counts), an evaluation asked for
   exactly is compiled at its own shapes (the first becomes the family's anchor); a probe
@@ -84,12 +84,10 @@ def default_cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def source_digest(forward: str) -> str:
-    """sha256 (16 hex) of the engine, model, params and config sources (and the Pallas kernels
-    for the `pallas` forward)."""
-    roots = [_PACKAGE / s for s in _SOURCES]
-    if forward == "pallas":
-        roots.append(_PACKAGE.parent / "kernels_pallas")
+def source_digest() -> str:
+    """sha256 (16 hex) of the engine, model, params and config sources and of `kernels_pallas`
+    (the `xla` forward runs its reference twins, the `pallas` forward its kernels)."""
+    roots = [_PACKAGE / s for s in _SOURCES] + [_PACKAGE.parent / "kernels_pallas"]
     h = hashlib.sha256()
     for root in roots:
         files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
@@ -281,7 +279,7 @@ class ActivationModel:
             "args": _signature(p.args), "static": _static_text(p.static), "forward": self.forward,
             "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "backend": [self.backend, self.device_kind],
-            "source": source_digest(self.forward),
+            "source": source_digest(),
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
