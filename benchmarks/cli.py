@@ -5,7 +5,7 @@ section after a machine line (cores, load average before and after each section,
 writes everything to one JSON file (`--json`, default out/bench.json).
 
 Presets:
-- default: the issue's sizes (prefill 128/512/2048, decode and verify n in 1/4/8, K in 2/4,
+- default: the issue's sizes (prefill 128/512/2048, decode and verify n in 1/4/8, K in 2/3/4,
   7 alternated repeats after 2 warm-up; 50-step compile loop on tiny and on the 48-layer
   Qwen3-Next pattern, scan vs unrolled, 2 runs each in fresh processes);
 - `--smoke`: tiny sizes and 1 repeat, every section including a roofline dry run, in-process,
