@@ -12,12 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
+from metrale_jax.model.linear import linear
 from metrale_jax.model.norms import rms_norm
 from metrale_jax.model.rope import apply_rope
 
-
-def _lin(x, w):
-    return jnp.einsum("...i,oi->...o", x, w)
 
 
 def project(p, x, positions, cfg: ModelConfig):
@@ -26,11 +24,11 @@ def project(p, x, positions, cfg: ModelConfig):
     chex.assert_shape(positions, x.shape[:2])
     b_, t = x.shape[:2]
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = _lin(x, p["wq"]).reshape(b_, t, h, 2 * d)
+    qg = linear(x, p["wq"]).reshape(b_, t, h, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(b_, t, h * d)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(_lin(x, p["wk"]).reshape(b_, t, kvh, d), p["k_norm"], cfg.rms_norm_eps)
-    v = _lin(x, p["wv"]).reshape(b_, t, kvh, d)
+    k = rms_norm(linear(x, p["wk"]).reshape(b_, t, kvh, d), p["k_norm"], cfg.rms_norm_eps)
+    v = linear(x, p["wv"]).reshape(b_, t, kvh, d)
     pos = jnp.maximum(positions, 0)
     q = apply_rope(q, pos, cfg.rotary_dim, cfg.rope_theta)
     k = apply_rope(k, pos, cfg.rotary_dim, cfg.rope_theta)
@@ -40,4 +38,4 @@ def project(p, x, positions, cfg: ModelConfig):
 def output(p, o, gate):
     """o [B, T, H, D] -> (o * sigmoid(gate)) @ Wo.T."""
     b_, t = o.shape[:2]
-    return _lin(o.reshape(b_, t, -1) * jax.nn.sigmoid(gate), p["wo"])
+    return linear(o.reshape(b_, t, -1) * jax.nn.sigmoid(gate), p["wo"])

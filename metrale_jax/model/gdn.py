@@ -16,20 +16,18 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
+from metrale_jax.model.linear import linear
 from metrale_jax.model.norms import gated_rms_norm
 
-
-def _lin(x, w):
-    return jnp.einsum("...i,oi->...o", x, w)
 
 
 def project(p, x, cfg: ModelConfig):
     """x [B, T, Hd] -> (mixed [B, T, C] pre-conv, z [B, T, nv, dv], b [B, T, nv], a [B, T, nv])."""
     chex.assert_shape(x, (None, None, cfg.hidden_size))
     b_, t = x.shape[:2]
-    mixed = _lin(x, p["w_qkv"])
-    z = _lin(x, p["w_z"]).reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-    return mixed, z, _lin(x, p["w_b"]), _lin(x, p["w_a"])
+    mixed = linear(x, p["w_qkv"])
+    z = linear(x, p["w_z"]).reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    return mixed, z, linear(x, p["w_b"]), linear(x, p["w_a"])
 
 
 def causal_conv(mixed, window, w, lens):
@@ -95,4 +93,4 @@ def output(p, o, z, cfg: ModelConfig, dtype):
     chex.assert_equal_shape([o, z])
     b_, t = o.shape[:2]
     n = gated_rms_norm(o.astype(dtype), z, p["norm"], cfg.rms_norm_eps)
-    return _lin(n.reshape(b_, t, cfg.value_dim), p["out"])
+    return linear(n.reshape(b_, t, cfg.value_dim), p["out"])

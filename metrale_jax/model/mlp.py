@@ -11,16 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
+from metrale_jax.model.linear import linear
 
-
-def _lin(x, w):
-    """x [..., in] @ w[out, in].T in the activation dtype."""
-    return jnp.einsum("...i,oi->...o", x, w)
 
 
 def swiglu(p, x):
     """down(silu(gate(x)) * up(x)); p = {gate [I, Hd], up [I, Hd], down [Hd, I]}."""
-    return _lin(jax.nn.silu(_lin(x, p["gate"])) * _lin(x, p["up"]), p["down"])
+    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
 
 
 # The most activation elements (rows x experts x (2I + Hd)) for which `moe` runs every expert in
@@ -43,7 +40,7 @@ def moe(p, x, cfg: ModelConfig):
     launch overhead (XLA CPU: ~0.15 ms of a 1.6 ms tiny verify step per MoE layer). It costs
     E/top_k more FLOPs than a grouped matmul, as the scan does.
     """
-    logits = _lin(x, p["router"])
+    logits = linear(x, p["router"])
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
@@ -63,12 +60,12 @@ def moe(p, x, cfg: ModelConfig):
 
         def expert(acc, xs):
             gate_up, down, w = xs  # [2I, Hd], [Hd, I], [...]
-            gu = _lin(x, gate_up)
-            out = _lin(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], down)
+            gu = linear(x, gate_up)
+            out = linear(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], down)
             return acc + out * w[..., None], None
 
         routed, _ = jax.lax.scan(expert, jnp.zeros_like(x), (p["gate_up"], p["down"], jnp.moveaxis(combine, -1, 0)))
-    shared = swiglu(p["shared"], x) * jax.nn.sigmoid(_lin(x, p["shared_gate"]))
+    shared = swiglu(p["shared"], x) * jax.nn.sigmoid(linear(x, p["shared_gate"]))
     return routed + shared
 
 

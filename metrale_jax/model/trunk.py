@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from metrale_jax.config import FULL, LINEAR, ModelConfig
 from metrale_jax.model import attention as attn_math
 from metrale_jax.model import gdn as gdn_math
+from metrale_jax.model.linear import linear
 from metrale_jax.model.mlp import ffn
 from metrale_jax.model.norms import rms_norm
 
@@ -99,7 +100,7 @@ def mtp_forward(params, cfg: ModelConfig, tokens, hidden_in, io, state, layer: i
         [rms_norm(e, mp["norm_embedding"], cfg.rms_norm_eps), rms_norm(hidden_in, mp["norm_hidden"], cfg.rms_norm_eps)],
         axis=-1,
     )
-    u = jnp.einsum("...i,oi->...o", u, mp["fc"])
+    u = linear(u, mp["fc"])
     u, state = decoder_layer(mp["layers"][layer], u, io.positions, cfg, FULL, layer, io, state)
     m = rms_norm(u, mp["norm"], cfg.rms_norm_eps)
     return m, lm_head(params, cfg, m), state
