@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from metrale_jax.engine.capacity import bucket_width
 from metrale_jax.engine.engine import Engine
-from metrale_jax.memory.activations import CACHE_ENV, ActivationModel
+from metrale_jax.memory.activations import CACHE_ENV, ActivationModel, source_files
 from metrale_jax.memory.devices import find_device
 from metrale_jax.memory.plan import Planner, Workload
 from metrale_jax.presets import PRESETS, resolve_checkpoint
@@ -144,3 +144,11 @@ def test_no_activations_skips_them():
     out = CliRunner().invoke(memory, [*ARGS, "--no-activations"]).stdout
     assert "## Activations: not computed (--no-activations); not charged" in out
     assert "activations (not computed: --no-activations)" in out
+
+
+def test_cache_key_covers_the_reference_kernels():
+    """The `xla` forward runs the jnp twins in kernels_pallas: an edit there must change the
+    activation cache key (it once did not, leaving stale entries)."""
+    names = {f.as_posix().split("/kernels_pallas/")[-1] for f in source_files() if "kernels_pallas" in f.parts}
+    assert {"gdn/reference.py", "paged_attention/reference.py", "ops.py"} <= names
+    assert any(f.name == "transitions.py" for f in source_files())

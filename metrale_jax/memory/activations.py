@@ -83,17 +83,21 @@ def default_cache_dir() -> Path:
     return Path(base) / "metrale-jax" / "activations"
 
 
+def source_files() -> list[Path]:
+    """The sources a compiled step program depends on: the engine, model, params and config
+    sources and all of `kernels_pallas` (the `xla` forward runs its reference twins, the `pallas`
+    forward its kernels)."""
+    roots = [_PACKAGE / s for s in _SOURCES] + [_PACKAGE.parent / "kernels_pallas"]
+    return [f for root in roots for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
+
+
 @functools.lru_cache(maxsize=None)
 def source_digest() -> str:
-    """sha256 (16 hex) of the engine, model, params and config sources and of `kernels_pallas`
-    (the `xla` forward runs its reference twins, the `pallas` forward its kernels)."""
-    roots = [_PACKAGE / s for s in _SOURCES] + [_PACKAGE.parent / "kernels_pallas"]
+    """sha256 (16 hex) of `source_files()`: paths and contents."""
     h = hashlib.sha256()
-    for root in roots:
-        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
-        for f in files:
-            h.update(f.relative_to(_PACKAGE.parent).as_posix().encode())
-            h.update(f.read_bytes())
+    for f in source_files():
+        h.update(f.relative_to(_PACKAGE.parent).as_posix().encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 

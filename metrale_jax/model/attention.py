@@ -17,7 +17,6 @@ from metrale_jax.model.norms import rms_norm
 from metrale_jax.model.rope import apply_rope
 
 
-
 def project(p, x, positions, cfg: ModelConfig):
     """x [B, T, Hd], positions [B, T] -> (q, k, v, gate [B, T, H*D])."""
     chex.assert_shape(x, (None, None, cfg.hidden_size))

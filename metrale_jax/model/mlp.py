@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear
-
+from metrale_jax.model.sums import ordered_sum
 
 
 def swiglu(p, x):
@@ -46,10 +46,7 @@ def moe(p, x, cfg: ModelConfig):
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     top_w = top_w.astype(x.dtype)
-    hot = jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None]  # [..., k, E]
-    combine = hot[..., 0, :]
-    for j in range(1, cfg.num_experts_per_tok):  # NOTE: adds, not a sum over the k axis (see gdn.causal_conv)
-        combine = combine + hot[..., j, :]  # [..., E]
+    combine = ordered_sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None], axis=-2)  # [..., E]
     inter = cfg.moe_intermediate_size
     rows = x.size // x.shape[-1]
     if rows * cfg.num_experts * (2 * inter + x.shape[-1]) <= DENSE_EXPERTS_MAX_ELEMENTS:
