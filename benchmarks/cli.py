@@ -6,7 +6,7 @@ writes everything to one JSON file (`--json`, default out/bench.json).
 
 Presets:
 - default: the issue's sizes (prefill 128/512/2048, decode and verify n in 1/4/8, K in 2/3/4,
-  7 alternated repeats after 2 warm-up; 50-step compile loop on tiny and on the 48-layer
+  7 alternated repeats after 2 warm-up, then 7 alternated blocks of 8 back-to-back calls; 50-step compile loop on tiny and on the 48-layer
   Qwen3-Next pattern, scan vs unrolled, 2 runs each in fresh processes);
 - `--smoke`: tiny sizes and 1 repeat, every section including a roofline dry run, in-process,
   and the HF side only if its venv already exists (never created). The tests run this.
@@ -59,6 +59,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="threads per side: 1 (default), 0 = library defaults, N")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 7; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls per side first (default 2; smoke 0)")
+    ap.add_argument("--block", type=int, default=None, help="hf: back-to-back calls per side and round (default 8; smoke 2)")
     ap.add_argument("--seed", type=int, default=0)
     g = ap.add_argument_group("hf")
     g.add_argument("--model", default=None,
@@ -96,7 +97,7 @@ def _resolve(a) -> dict:
         model=d(a.model, "tiny", "tiny-2L"),
         forward_steps=d(a.forward_steps, ["prefill", "decode", "verify"], ["verify"]),
         sections=a.sections or (["roofline"] if a.gpu else (["hf", "compile", "forwards", "roofline"] if smoke else ["hf", "compile", "forwards"])),
-        repeats=d(a.repeats, 7, 1), warmup=d(a.warmup, 2, 0),
+        repeats=d(a.repeats, 7, 1), warmup=d(a.warmup, 2, 0), block=d(a.block, 8, 2),
         prefill_lens=d(a.prefill_lens, [128, 512, 2048], [16]), ns=d(a.ns, [1, 4, 8], [1]), ks=d(a.ks, [2, 3, 4], [2]),
         ctx=d(a.ctx, 128, 16),
         compile_models=d(a.compile_models, ["tiny", "qwen3-next-48L"], ["qwen3-next-4L-i2"]), compile_steps=d(a.compile_steps, 50, 5),
@@ -180,7 +181,8 @@ def _section(name: str, cfg: dict, a) -> dict:
             _log(f"HF comparison skipped: {why}")
             return {"skipped": why}
         return vs_hf.run(cfg["model"], python, workdir=a.workdir, prefill_lens=cfg["prefill_lens"], ns=cfg["ns"], ks=cfg["ks"],
-                         ctx=cfg["ctx"], repeats=cfg["repeats"], warmup=cfg["warmup"], threads=a.threads or None,
+                         ctx=cfg["ctx"], repeats=cfg["repeats"], warmup=cfg["warmup"], block=cfg["block"],
+                         threads=a.threads or None,
                          impl=a.hf_impl, seed=a.seed)
     if name == "compile":
         from benchmarks import compile_cost

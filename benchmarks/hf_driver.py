@@ -8,11 +8,13 @@ Requests (each answer carries "ok"; a failure answers {"ok": false, "error": ...
   safetensors views are only 8-byte aligned, which sends torch's GEMV down another path).
 - {"op": "context", "name": S, "tokens": [[...] * n]}: prefill n equal-length prompts as one
   batch (`use_cache=True`) and keep the cache under S.
-- {"op": "prefill", "tokens": [...], "logits": bool}: one timed prefill from an empty cache,
-  `logits_to_keep=1` (the engine also computes only the last row's logits).
-- {"op": "step", "context": S, "tokens": [[...] * n], "logits": bool}: one timed forward of the
-  K given tokens per sequence over a fresh deep copy of context S's cache (copied untimed): K=1
-  is a decode step, K>1 the verify step's equivalent (every row's logits).
+- {"op": "prefill", "tokens": [...], "logits": bool, "repeat": R}: timed prefills from an empty
+  cache, `logits_to_keep=1` (the engine also computes only the last row's logits).
+- {"op": "step", "context": S, "tokens": [[...] * n], "logits": bool, "repeat": R}: timed
+  forwards of the K given tokens per sequence, each over a fresh deep copy of context S's cache
+  (copied untimed): K=1 is a decode step, K>1 the verify step's equivalent (every row's logits).
+  With "repeat" (default 1) the forward runs R times back to back: "seconds_each" lists them
+  ("seconds" is the first), the logits are the first run's.
 - {"op": "quit"}.
 Timings are `time.perf_counter` seconds around the forward (outputs are host tensors already).
 """
@@ -92,13 +94,21 @@ def op_context(req):
     return {"seconds": time.perf_counter() - t0}
 
 
+def _timed_runs(req, forward):
+    """`forward()` R = req["repeat"] times back to back; (first output, seconds of each run)."""
+    out, each = None, []
+    for _ in range(int(req.get("repeat", 1))):
+        t0 = time.perf_counter()
+        o = forward()
+        each.append(time.perf_counter() - t0)
+        out = o if out is None else out
+    return out, {"seconds": each[0], "seconds_each": each}
+
+
 @torch.inference_mode()
 def op_prefill(req):
     ids = _ids([req["tokens"]])
-    t0 = time.perf_counter()
-    out = STATE["model"](input_ids=ids, use_cache=True, logits_to_keep=1)
-    secs = time.perf_counter() - t0
-    ans = {"seconds": secs}
+    out, ans = _timed_runs(req, lambda: STATE["model"](input_ids=ids, use_cache=True, logits_to_keep=1))
     if req.get("logits"):
         ans["logits"] = out.logits[0, -1].float().tolist()
     return ans
@@ -106,12 +116,10 @@ def op_prefill(req):
 
 @torch.inference_mode()
 def op_step(req):
-    cache = copy.deepcopy(STATE["contexts"][req["context"]])
     ids = _ids(req["tokens"])
-    t0 = time.perf_counter()
-    out = STATE["model"](input_ids=ids, cache=cache, use_cache=True)
-    secs = time.perf_counter() - t0
-    ans = {"seconds": secs}
+    context = STATE["contexts"][req["context"]]
+    caches = iter([copy.deepcopy(context) for _ in range(int(req.get("repeat", 1)))])  # copied before the timed runs
+    out, ans = _timed_runs(req, lambda: STATE["model"](input_ids=ids, cache=next(caches), use_cache=True))
     if req.get("logits"):
         ans["logits"] = out.logits.float().reshape(-1, out.logits.shape[-1]).tolist()
     return ans

@@ -15,6 +15,11 @@ def _q(s: dict) -> str:
     return f"({s['p25']:.3f}-{s['p75']:.3f})"
 
 
+def _inv_q(s: dict) -> str:
+    """The quartiles of per-round JAX/HF ratios as HF/JAX (p25-p75)."""
+    return f"({1 / s['p75']:.2f}-{1 / s['p25']:.2f})"
+
+
 def machine_line(m: dict) -> str:
     load = m.get("load_average_1_5_15") or []
     return (f"machine: {m.get('cpu_count')} cores, load average {'/'.join(str(x) for x in load)} (1/5/15 min), "
@@ -33,15 +38,18 @@ def hf_table(r: dict) -> str:
         f"   model {r['model']}, decode/verify context {r['context_tokens']} tokens; {r['repeats']} repeats alternated "
         f"JAX/HF after {r['warmup']} warm-up; times in ms: median (min-max); JAX/HF = ratio of medians (p25-p75 of per-round ratios)",
         "   'JAX dev' = the engine's compiled program alone (no host bookkeeping, no logits copy): the rest of 'JAX' is host work",
+        f"   'b2b' = the same calls in {r.get('block', '?')}-call blocks back to back (blocks alternated, the steady state of a "
+        "serving loop; the call-by-call columns start every call after the other side's turn)",
         f"{'step':<8}{'n':>3}{'T/K':>6}  {'JAX ms':>26}  {'JAX dev':>8}  {'HF ms':>26}  {'JAX/HF':>7} {'per-round':>15}  {'HF/JAX':>7}  "
-        f"{'|dlogit|':>8}  extra",
+        f"{'b2b JAX':>8}  {'b2b HF':>8}  {'HF/JAX b2b':>10} {'per-round':>15}  {'|dlogit|':>8}  extra",
     ]
     for c in r["cases"]:
         extra = f"tok/s JAX {c['jax_tok_s']:.0f}, HF {c['hf_tok_s']:.0f}" if c["kind"] == "prefill" else ""
         lines.append(
             f"{c['kind']:<8}{c['n']:>3}{c['t']:>6}  {_mm(c['jax']):>26}  {1e3 * c.get('jax_device_s', float('nan')):>8.3f}  "
             f"{_mm(c['hf']):>26}  {c['ratio_of_medians']:>7.3f} "
-            f"{_q(c['ratio']):>15}  {c['hf_over_jax']:>6.1f}x  {c['max_abs_diff']:>8.1e}  {extra}"
+            f"{_q(c['ratio']):>15}  {c['hf_over_jax']:>6.1f}x  {1e3 * c['jax_b2b']['median']:>8.3f}  {1e3 * c['hf_b2b']['median']:>8.3f}  "
+            f"{c['hf_over_jax_b2b']:>9.1f}x {_inv_q(c['ratio_b2b']):>15}  {c['max_abs_diff']:>8.1e}  {extra}"
         )
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """Timing statistics, machine facts and the compile listener the benchmarks share.
 
 Owns: `Stats` (median and spread of repeated timings), `paired` (alternated A/B timings and
-their ratio), `machine_info` (load average, cores, versions: recorded next to every number) and
+their ratio), `back_to_back` (alternated blocks of consecutive calls: the steady state), `machine_info` (load average, cores, versions: recorded next to every number) and
 `CompileCounter` (backend compilations seen by JAX while it is active).
 
 Invariant: nothing here asserts on wall time; numbers are reported, never checked.
@@ -67,11 +67,26 @@ def paired(run_a: Callable[[], float], run_b: Callable[[], float], repeats: int,
     return Stats.of(ta), Stats.of(tb), Stats.of([a / b for a, b in zip(ta, tb)])
 
 
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds of one call of fn (which must itself block until its result is on the host)."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def back_to_back(block_a: Callable[[], Sequence[float]], block_b: Callable[[], Sequence[float]], rounds: int):
+    """Alternate blocks of consecutive calls (A block, B block, then B first, ...): each block
+    function runs its side R times back to back and returns the R seconds. Returns (Stats A and
+    Stats B over every call, Stats of the per-round ratios of the block medians A/B).
+
+    NOTE: `paired` puts the other side's call between two calls of a side, so every call starts
+    after an idle gap of the other's length; on this VM a 1.5 ms step costs 0.5-1.5 ms more after
+    an 8 ms sleep (benchmarks/README). Blocks measure what a serving loop sees: steps back to back.
+    """
+    ta, tb, ratios = [], [], []
+    for i in range(rounds):
+        if i % 2 == 0:
+            a, b = list(block_a()), list(block_b())
+        else:
+            b = list(block_b())
+            a = list(block_a())
+        ta += a
+        tb += b
+        ratios.append(statistics.median(a) / statistics.median(b))
+    return Stats.of(ta), Stats.of(tb), Stats.of(ratios)
 
 
 def load_average() -> list[float]:

@@ -4,8 +4,10 @@ Same config and the same weights: the benchmark model is written once as an HF c
 (`models.write_checkpoint`), the engine runs those params and HF `from_pretrained`s the folder in
 its own Python 3.11 venv (`hf_driver.py`, a subprocess that stays up for the whole section).
 
-Cases (each: the first call on each side is compared, then warm-up, then repeats alternated
-JAX/HF so both share the machine's conditions; medians and the per-round ratio's spread):
+Cases (each: the first call on each side is compared, then warm-up, then two timings that both
+alternate the sides so they share the machine's conditions: call by call (`paired`: each call
+starts after the other side's, i.e. after an idle gap) and in blocks of consecutive calls
+(`back_to_back`: the steady state of a serving loop); medians and the per-round ratio's spread):
 - prefill of T tokens (one sequence, one chunk, last-row logits only on both sides): tok/s;
 - one decode step of n sequences over a `ctx`-token context;
 - one verify step: K tokens per sequence of n sequences over the context (HF: the forward of
@@ -28,7 +30,7 @@ import numpy as np
 from benchmarks import models
 from benchmarks.hf_env import HFClient
 from benchmarks.steps import DeviceStep, StepBench
-from benchmarks.timing import Stats, paired
+from benchmarks.timing import Stats, back_to_back, paired
 
 
 @dataclasses.dataclass
@@ -39,6 +41,9 @@ class HFCase:
     jax: Stats
     hf: Stats
     ratio: Stats  # per-round JAX/HF
+    jax_b2b: Stats  # calls in blocks of `block` back to back
+    hf_b2b: Stats
+    ratio_b2b: Stats  # per-round JAX/HF of the block medians
     jax_first_s: float  # the engine's first call (compiles its programs)
     jax_device_s: float  # the step's compiled program alone, median (no host work, no logits copy)
     max_abs_diff: float  # |JAX - HF| logits of the first call
@@ -52,6 +57,7 @@ class HFCase:
         d = dataclasses.asdict(self)
         d["ratio_of_medians"] = self.ratio_of_medians
         d["hf_over_jax"] = 1.0 / self.ratio_of_medians
+        d["hf_over_jax_b2b"] = self.hf_b2b.median / self.jax_b2b.median
         if self.kind == "prefill":
             d["jax_tok_s"] = self.t / self.jax.median
             d["hf_tok_s"] = self.t / self.hf.median
@@ -68,8 +74,9 @@ def _diff(a, b) -> tuple[float, float]:
 
 
 def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, ctx: int, repeats: int,
-        warmup: int, threads: int | None = None, impl: str = "default", seed: int = 0) -> dict:
-    """Every case of the section; returns {"hf": driver facts, "cases": [...], "model": ...}."""
+        warmup: int, block: int, threads: int | None = None, impl: str = "default", seed: int = 0) -> dict:
+    """Every case of the section; returns {"hf": driver facts, "cases": [...], "model": ...}.
+    block: consecutive calls per side in each of the `repeats` rounds of the back-to-back timing."""
     cfg, params = models.model(model_name)
     if os.path.isdir(model_name):  # a checkpoint directory: HF reads it as it is
         ckpt = os.path.abspath(model_name)
@@ -96,9 +103,12 @@ def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, 
             hf_logits = hf.call(**hf_req, logits=True)["logits"]
             diff, scale = _diff(jax_logits, hf_logits)
             js, hs, rs = paired(lambda: jax_call()[0], lambda: hf.call(**hf_req)["seconds"], repeats, warmup)
+            jb, hb, rb = back_to_back(lambda: [jax_call()[0] for _ in range(block)],
+                                      lambda: hf.call(**hf_req, repeat=block)["seconds_each"], repeats)
             device_s = dev.time(max(repeats, 1))
-            case = HFCase(kind, n, t, js, hs, rs, jax_first, device_s, diff, scale)
-            _log(f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}, |dlogit| {diff:.1e}")
+            case = HFCase(kind, n, t, js, hs, rs, jb, hb, rb, jax_first, device_s, diff, scale)
+            _log(f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}; back to back "
+                 f"jax {jb.ms()} ms, hf {hb.ms()} ms; |dlogit| {diff:.1e}")
             cases.append(case)
 
         base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len)
@@ -130,6 +140,7 @@ def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, 
         "context_tokens": ctx,
         "repeats": repeats,
         "warmup": warmup,
+        "block": block,
         "hf": info,
         "cases": [c.to_json() for c in cases],
     }

@@ -21,7 +21,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import cli, hf_env, models, roofline  # noqa: E402
-from benchmarks.timing import Stats, paired  # noqa: E402
+from benchmarks.timing import Stats, back_to_back, paired  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -61,6 +61,7 @@ def test_hf_section_compares_the_same_weights_or_says_why_it_was_skipped(smoke):
         assert c["max_abs_diff"] <= 1e-4 * c["max_abs_logit"], c  # both sides run the same float32 weights
         assert math.isfinite(c["ratio_of_medians"]) and c["ratio_of_medians"] > 0
         assert c["jax"]["n"] == c["hf"]["n"] == 1 and c["jax_device_s"] > 0
+        assert c["jax_b2b"]["n"] == c["hf_b2b"]["n"] == hf["block"] == 2 and c["hf_over_jax_b2b"] > 0
 
 
 def test_verify_loop_driver_compiles_nothing_after_warmup(smoke):
@@ -132,3 +133,15 @@ def test_paired_alternates_and_reports_per_round_ratios():
     assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
     assert (sa.median, sb.median, r.median, r.spread) == (2.0, 1.0, 2.0, 0.0)
     assert Stats.of([3.0, 1.0, 2.0]).median == 2.0
+
+
+def test_back_to_back_alternates_blocks_and_takes_ratios_of_block_medians():
+    order = []
+
+    def block(side, secs):
+        return lambda: [order.append(side) or s for s in secs]
+
+    sa, sb, r = back_to_back(block("a", [4.0, 2.0, 2.0]), block("b", [1.0, 1.0, 3.0]), rounds=2)
+    assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+    assert (sa.n, sa.median, sb.median) == (6, 2.0, 1.0)
+    assert (r.n, r.median, r.spread) == (2, 2.0, 0.0)

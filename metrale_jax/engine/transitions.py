@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.pool import EnginePool
+from metrale_jax.model.reductions import first_argmax
 from metrale_jax.model.state_io import PoolIO, TrunkState
 from metrale_jax.model.trunk import final_norm, head, mtp_forward, trunk
 
@@ -126,7 +127,7 @@ def step_rows(pool: EnginePool, params, tokens, lens, seq_lens, slots, block_tab
             pool = pool.replace(stash=pool.stash.at[slots].set(_last_rows(hidden, lens)))
     flat = hidden.reshape(b * t, -1)[row_index]
     logits = head(params, cfg, flat)
-    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), flat, pool
+    return logits, first_argmax(logits), flat, pool
 
 
 def gdn_fold_accepted(pool: EnginePool, slots, rows, ks, vrow_base):
@@ -189,7 +190,7 @@ def propose(pool: EnginePool, params, last, seq_lens, slots, draft_tables, valid
         io = _drafter_io(cfg, counts, ops, pos, draft_tables)
         hidden, logits, state = mtp_forward(params, cfg, tok, hidden, io, state, j % cfg.num_mtp_layers)
         logits = logits[:, 0]
-        d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        d = first_argmax(logits)
         lsm = jax.nn.log_softmax(logits, axis=-1)
         drafts.append(d)
         confs.append(jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0])

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear
 from metrale_jax.model.norms import gated_rms_norm
-from metrale_jax.model.sums import ordered_sum
+from metrale_jax.model.reductions import ordered_sum
 
 
 def project(p, x, cfg: ModelConfig):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear
-from metrale_jax.model.sums import ordered_sum
+from metrale_jax.model.reductions import ordered_sum
 
 
 def swiglu(p, x):
@@ -50,7 +50,9 @@ def moe(p, x, cfg: ModelConfig):
     inter = cfg.moe_intermediate_size
     rows = x.size // x.shape[-1]
     if rows * cfg.num_experts * (2 * inter + x.shape[-1]) <= DENSE_EXPERTS_MAX_ELEMENTS:
-        gu = jnp.einsum("...h,eoh->...eo", x, p["gate_up"])  # [..., E, 2I]
+        # NOTE: as one [E*2I, Hd] projection: the einsum over [E, 2I, Hd] made XLA CPU copy the
+        # weight into another layout at every step.
+        gu = linear(x, p["gate_up"].reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], cfg.num_experts, 2 * inter)  # [..., E, 2I]
         act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:] * combine[..., None]  # [..., E, I]
         routed = jnp.einsum("...ei,ehi->...h", act, p["down"])  # [..., Hd]
     else:
