@@ -7,7 +7,8 @@ without the host's bookkeeping and the logits' copy to the host).
 
 Reset rules: a prefill runs on a fresh sequence that is freed afterwards; a decode step is
 undone on the host (`rewind`; the GDN state has advanced, which changes values but not the
-work); a verify step is abandoned with `rollback_verify` (the pre-verify state comes back).
+work); a verify step is abandoned with `rollback_verify` (the pre-verify state comes back),
+whose device program is waited for before the next call, untimed.
 Every timing includes the host copy of the logits (`np.asarray`), hence the device's completion.
 """
 
@@ -79,6 +80,9 @@ class StepBench:
         logits, _ = self.engine.verify_batched(seqs, [t for r in rows for t in r], ks)
         secs = time.perf_counter() - t0
         self.engine.rollback_verify(seqs)
+        # NOTE: the rollback is a device program dispatched asynchronously; waiting for it here,
+        # untimed, keeps it out of the next timed call (back-to-back timings ran into it).
+        jax.block_until_ready(self.engine.pool)
         return secs, logits
 
 
