@@ -6,8 +6,9 @@ writes everything to one JSON file (`--json`, default out/bench.json).
 
 Presets:
 - default: the issue's sizes (prefill 128/512/2048, decode and verify n in 1/4/8, K in 2/3/4,
-  7 alternated repeats after 2 warm-up, then 7 alternated blocks of 8 back-to-back calls; 50-step compile loop on tiny and on the 48-layer
-  Qwen3-Next pattern, scan vs unrolled, 2 runs each in fresh processes);
+  7 alternated repeats after 2 warm-up, then 7 alternated blocks of 8 back-to-back calls;
+  50-step compile loop on tiny and on the 48-layer Qwen3-Next pattern, scan vs unrolled, 2 runs
+  each in fresh processes);
 - `--smoke`: tiny sizes and 1 repeat, every section including a roofline dry run, in-process,
   and the HF side only if its venv already exists (never created). The tests run this.
 - `--gpu`: the roofline at Qwen3.5-35B-A3B width on an NVIDIA GPU; `--gpu --dry-run` the same

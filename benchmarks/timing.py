@@ -1,7 +1,8 @@
 """Timing statistics, machine facts and the compile listener the benchmarks share.
 
 Owns: `Stats` (median and spread of repeated timings), `paired` (alternated A/B timings and
-their ratio), `back_to_back` (alternated blocks of consecutive calls: the steady state), `machine_info` (load average, cores, versions: recorded next to every number) and
+their ratio), `back_to_back` (alternated blocks of consecutive calls: the steady state),
+`machine_info` (load average, cores, versions: recorded next to every number) and
 `CompileCounter` (backend compilations seen by JAX while it is active).
 
 Invariant: nothing here asserts on wall time; numbers are reported, never checked.
