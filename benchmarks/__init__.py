@@ -7,6 +7,8 @@ Sections (each printed as a table and written to one JSON file):
 - `compile`  time to first step and compilations of a 50-step ragged verify loop: the tiny
              model and the 48-layer Qwen3-Next pattern at tiny width, scan layout vs unrolled.
 - `forwards` the `pallas` forward (interpreter on CPU) vs `xla` on the same step.
+- `gap`      the engine's verify step after idle gaps of 0/2/8 ms: what the call-by-call
+             timing of `hf` charges the faster side.
 - `roofline` (`--gpu`) bytes each step must move / measured HBM bandwidth vs the measured step
              time, per kernel and per step, for a Qwen3.5-35B-A3B-size layer stack; a dry run
              with tiny shapes under the interpreter where no GPU is present.
@@ -14,7 +16,7 @@ Sections (each printed as a table and written to one JSON file):
 Modules: `cli` (arguments, sections, JSON), `timing` (statistics, machine facts, compile
 listener), `models` (configs, settings, checkpoints), `steps` (engine step runners), `hf_env`
 (the HF venv and the driver client), `hf_driver` (runs under the HF venv's Python 3.11; imports
-neither jax nor this package), `vs_hf`, `compile_cost`, `forwards`, `roofline`, `report`.
+neither jax nor this package), `vs_hf`, `compile_cost`, `forwards`, `idle_gap`, `roofline`, `report`.
 `gpu_check.py` / `gpu_check.sh` are the kernel device check, which `roofline` reuses;
 `roofline_gpu.sh` is the roofline as one prepared command for a GPU machine. README.md says how
 to run and read it all.

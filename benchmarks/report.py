@@ -38,7 +38,7 @@ def hf_table(r: dict) -> str:
         f"   model {r['model']}, decode/verify context {r['context_tokens']} tokens; {r['repeats']} repeats alternated "
         f"JAX/HF after {r['warmup']} warm-up; times in ms: median (min-max); JAX/HF = ratio of medians (p25-p75 of per-round ratios)",
         "   'JAX dev' = the engine's compiled program alone (no host bookkeeping, no logits copy): the rest of 'JAX' is host work",
-        f"   'b2b' = the same calls in {r.get('block', '?')}-call blocks back to back (blocks alternated, the steady state of a "
+        f"   'b2b' = the same calls in {r['block']}-call blocks back to back (blocks alternated, the steady state of a "
         "serving loop; the call-by-call columns start every call after the other side's turn)",
         f"{'step':<8}{'n':>3}{'T/K':>6}  {'JAX ms':>26}  {'JAX dev':>8}  {'HF ms':>26}  {'JAX/HF':>7} {'per-round':>15}  {'HF/JAX':>7}  "
         f"{'b2b JAX':>8}  {'b2b HF':>8}  {'HF/JAX b2b':>10} {'per-round':>15}  {'|dlogit|':>8}  extra",
@@ -97,6 +97,19 @@ def forwards_table(r: dict) -> str:
         )
     if r["refusals"]:
         lines.append("   kernel refusals (ran the reference): " + "; ".join(r["refusals"]))
+    return "\n".join(lines)
+
+
+def gap_table(r: dict) -> str:
+    base = r["gaps"][0]["best_median_s"]
+    lines = [
+        f"== Idle gap before a call: the engine's verify step (n={r['n']}, K={r['k']}, context {r['context_tokens']} tokens, "
+        f"model {r['model']}), {r['calls']} calls per gap and round, best of {r['rounds']} round medians",
+        f"{'gap ms':>7}{'ms':>9}{'x first':>9}  round medians ms",
+    ]
+    for g in r["gaps"]:
+        rounds = " ".join(f"{1e3 * x:.3f}" for x in g["round_medians_s"])
+        lines.append(f"{1e3 * g['gap_s']:>7.0f}{1e3 * g['best_median_s']:>9.3f}{g['best_median_s'] / base:>9.2f}  {rounds}")
     return "\n".join(lines)
 
 

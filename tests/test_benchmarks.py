@@ -42,8 +42,8 @@ def smoke(tmp_path_factory):
 
 def test_smoke_prints_every_table_and_writes_the_json(smoke):
     res, saved = smoke
-    assert list(saved["sections"]) == ["hf", "compile", "forwards", "roofline"] and saved["failed"] == []
-    for title in ("machine:", "HF transformers", "== Compile cost", "== Forwards", "== Roofline (DRY RUN"):
+    assert list(saved["sections"]) == ["hf", "compile", "forwards", "gap", "roofline"] and saved["failed"] == []
+    for title in ("machine:", "HF transformers", "== Compile cost", "== Forwards", "== Idle gap", "== Roofline (DRY RUN"):
         assert title in res["table"]
     assert saved["machine"]["load_average_1_5_15"] and saved["machine"]["cpu_count"] >= 1
     assert set(saved["load"]) == set(saved["sections"])
@@ -62,6 +62,14 @@ def test_hf_section_compares_the_same_weights_or_says_why_it_was_skipped(smoke):
         assert math.isfinite(c["ratio_of_medians"]) and c["ratio_of_medians"] > 0
         assert c["jax"]["n"] == c["hf"]["n"] == 1 and c["jax_device_s"] > 0
         assert c["jax_b2b"]["n"] == c["hf_b2b"]["n"] == hf["block"] == 2 and c["hf_over_jax_b2b"] > 0
+
+
+def test_gap_section_times_every_gap_in_every_round(smoke):
+    _, saved = smoke
+    gap = saved["sections"]["gap"]
+    assert [g["gap_s"] for g in gap["gaps"]] == [0.0, 0.001]
+    for g in gap["gaps"]:
+        assert len(g["round_medians_s"]) == gap["rounds"] == 1 and g["best_median_s"] == min(g["round_medians_s"]) > 0
 
 
 def test_verify_loop_driver_compiles_nothing_after_warmup(smoke):
