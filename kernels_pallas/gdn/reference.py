@@ -90,9 +90,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
         q_c, k_c, u_c, w_c, qk_c, gam_c, gl_c = xs
         v_new = u_c - w_c @ s
         o_c = (q_c * jnp.exp(gam_c)[..., None]) @ s + qk_c @ v_new
-        s = s * jnp.exp(gl_c)[..., None, None] + jnp.swapaxes(
-            k_c * jnp.exp(gl_c[..., None] - gam_c)[..., None], -1, -2
-        ) @ v_new
+        # NOTE: the chunk rows are contracted in place ("ck,cv->kv", as the kernel's x.T @ y
+        # dot_general): a swapaxes then @ rounded differently from the kernel on jax 0.11.2's XLA
+        # CPU for one sequence with dv = 16 (tests/test_kernels_gdn.py, tiny prefill shape).
+        s = s * jnp.exp(gl_c)[..., None, None] + jnp.einsum(
+            "...ck,...cv->...kv", k_c * jnp.exp(gl_c[..., None] - gam_c)[..., None], v_new
+        )
         return s, o_c
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, u, w, qk, gam, g_last))
