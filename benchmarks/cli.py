@@ -1,6 +1,6 @@
 """The benchmark entry point: `python -m benchmarks [options]` (`make bench`).
 
-Runs the sections (default: hf, compile, forwards, gap; `--gpu`: the roofline), prints one table per
+Runs the sections (default: hf, compile, forwards, gap, slots; `--gpu`: the roofline), prints one table per
 section after a machine line (cores, load average before and after each section, versions) and
 writes everything to one JSON file (`--json`, default out/bench.json).
 
@@ -37,7 +37,7 @@ import jax
 from benchmarks import report
 from benchmarks.timing import load_average, machine_info
 
-SECTIONS = ("hf", "compile", "forwards", "gap", "roofline")
+SECTIONS = ("hf", "compile", "forwards", "gap", "slots", "roofline")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -84,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gaps-ms", type=_ints, default=None, help="idle gaps before each verify call, default 0,2,8 (smoke 0,1)")
     g.add_argument("--gap-calls", type=int, default=None, help="timed calls per gap and round, default 40 (smoke 2)")
     g.add_argument("--gap-rounds", type=int, default=None, help="rounds over the gaps, default 3 (smoke 1)")
+    g = ap.add_argument_group("slots")
+    g.add_argument("--slots-model", default=None, help="default qwen3-next-48L (smoke qwen3-next-4L-i2)")
+    g.add_argument("--slot-counts", type=_ints, default=None, help="engines' slot counts (max batch), default 8,64 (smoke 2,8)")
+    g.add_argument("--slots-iters", type=int, default=None, help="timed runs per step, default 50 (smoke 2)")
     g = ap.add_argument_group("roofline")
     g.add_argument("--roofline-layers", type=int, default=None, help="default 8 (two 3:1 groups); dry run 4")
     g.add_argument("--roofline-ctx", type=int, default=None, help="cached tokens per sequence, default 2048")
@@ -101,7 +105,7 @@ def _resolve(a) -> dict:
     return dict(
         model=d(a.model, "tiny", "tiny-2L"),
         forward_steps=d(a.forward_steps, ["prefill", "decode", "verify"], ["verify"]),
-        sections=a.sections or (["roofline"] if a.gpu else (["hf", "compile", "forwards", "gap", "roofline"] if smoke else ["hf", "compile", "forwards", "gap"])),
+        sections=a.sections or (["roofline"] if a.gpu else (["hf", "compile", "forwards", "gap", "slots", "roofline"] if smoke else ["hf", "compile", "forwards", "gap", "slots"])),
         repeats=d(a.repeats, 7, 1), warmup=d(a.warmup, 2, 0), block=d(a.block, 8, 2),
         prefill_lens=d(a.prefill_lens, [128, 512, 2048], [16]), ns=d(a.ns, [1, 4, 8], [1]), ks=d(a.ks, [2, 3, 4], [2]),
         ctx=d(a.ctx, 128, 16),
@@ -116,6 +120,8 @@ def _resolve(a) -> dict:
         roofline_k=a.roofline_k or (2 if dry or not a.gpu else 4),
         roofline_iters=a.roofline_iters or (1 if dry or not a.gpu else 20),
         gaps_ms=d(a.gaps_ms, [0, 2, 8], [0, 1]), gap_calls=d(a.gap_calls, 40, 2), gap_rounds=d(a.gap_rounds, 3, 1),
+        slots_model=d(a.slots_model, "qwen3-next-48L", "qwen3-next-4L-i2"), slot_counts=d(a.slot_counts, [8, 64], [2, 8]),
+        slots_iters=d(a.slots_iters, 50, 2),
         hf_create=not (a.no_hf_setup or smoke),
     )
 
@@ -165,7 +171,7 @@ def run(argv=None) -> dict:
             table = f"== {name}: FAILED: {res['error']}"
         else:
             table = {"hf": report.hf_table, "compile": report.compile_table, "forwards": report.forwards_table,
-                     "gap": report.gap_table, "roofline": report.roofline_table}[name](res)
+                     "gap": report.gap_table, "slots": report.slots_table, "roofline": report.roofline_table}[name](res)
         tables.append(f"{table}\n   (load average before/after: {before} / {results['load'][name]['after']}; "
                       f"{res['wall_s']:.0f} s wall, {res['cpu_s']:.0f} s CPU in this process)")
     results["failed"] = failed
@@ -207,6 +213,11 @@ def _section(name: str, cfg: dict, a) -> dict:
         return idle_gap.run(cfg["model"], n=max(cfg["ns"]), k=max(cfg["ks"]), ctx=cfg["ctx"],
                             gaps=[ms / 1e3 for ms in cfg["gaps_ms"]], calls=cfg["gap_calls"], rounds=cfg["gap_rounds"],
                             warmup=cfg["warmup"], seed=a.seed)
+    if name == "slots":
+        from benchmarks import slot_scaling
+
+        return slot_scaling.run(cfg["slots_model"], slot_counts=cfg["slot_counts"], ctx=cfg["ctx"], k=max(cfg["ks"]),
+                                iters=cfg["slots_iters"], seed=a.seed)
     from benchmarks import roofline
 
     return roofline.run(dry_run=cfg["roofline_dry"], layers=cfg["roofline_layers"], ctx=cfg["roofline_ctx"],

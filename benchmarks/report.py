@@ -113,6 +113,21 @@ def gap_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def slots_table(r: dict) -> str:
+    base = r["rows"][0]
+    lines = [
+        f"== Slots: one sequence's step (context {r['context_tokens']} tokens, verify K={r['k']}, model {r['model']}) "
+        f"against the engine's slot count; compiled programs alone, median of {r['iters']}",
+        f"{'slots':>6}{'GDN state MB':>14}{'decode ms':>11}{'x first':>9}{'verify ms':>11}{'x first':>9}  pool copies",
+    ]
+    for row in r["rows"]:
+        copies = sum(row["pool_copies"].values())
+        lines.append(f"{row['slots']:>6}{row['gdn_state_bytes'] / 1e6:>14.2f}{1e3 * row['decode_s']:>11.3f}"
+                     f"{row['decode_s'] / base['decode_s']:>9.2f}{1e3 * row['verify_s']:>11.3f}"
+                     f"{row['verify_s'] / base['verify_s']:>9.2f}  {copies}")
+    return "\n".join(lines)
+
+
 def roofline_table(r: dict) -> str:
     cfg = r["config"]
     lines = [

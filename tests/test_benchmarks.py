@@ -42,8 +42,8 @@ def smoke(tmp_path_factory):
 
 def test_smoke_prints_every_table_and_writes_the_json(smoke):
     res, saved = smoke
-    assert list(saved["sections"]) == ["hf", "compile", "forwards", "gap", "roofline"] and saved["failed"] == []
-    for title in ("machine:", "HF transformers", "== Compile cost", "== Forwards", "== Idle gap", "== Roofline (DRY RUN"):
+    assert list(saved["sections"]) == ["hf", "compile", "forwards", "gap", "slots", "roofline"] and saved["failed"] == []
+    for title in ("machine:", "HF transformers", "== Compile cost", "== Forwards", "== Idle gap", "== Slots", "== Roofline (DRY RUN"):
         assert title in res["table"]
     assert saved["machine"]["load_average_1_5_15"] and saved["machine"]["cpu_count"] >= 1
     assert set(saved["load"]) == set(saved["sections"])
@@ -70,6 +70,16 @@ def test_gap_section_times_every_gap_in_every_round(smoke):
     assert [g["gap_s"] for g in gap["gaps"]] == [0.0, 0.001]
     for g in gap["gaps"]:
         assert len(g["round_medians_s"]) == gap["rounds"] == 1 and g["best_median_s"] == min(g["round_medians_s"]) > 0
+
+
+def test_slots_section_times_both_steps_at_every_slot_count(smoke):
+    """The section runs at each slot count (not timed here), and its programs copy no pool leaf."""
+    _, saved = smoke
+    sec = saved["sections"]["slots"]
+    assert [r["slots"] for r in sec["rows"]] == [2, 8]
+    for r in sec["rows"]:
+        assert r["decode_s"] > 0 and r["verify_s"] > 0 and r["gdn_state_bytes"] > 0
+        assert set(r["pool_copies"]) >= {"prefill_chunk", "step_rows"} and sum(r["pool_copies"].values()) == 0
 
 
 def test_verify_loop_driver_compiles_nothing_after_warmup(smoke):

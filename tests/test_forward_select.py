@@ -141,3 +141,15 @@ def test_disclosure_plans_differ_and_nothing_refused(runs):
     assert plans["xla"]["plan_digest"] != plans["pallas"]["plan_digest"]
     assert plans["xla"]["refusals"] == []
     assert set(plans["pallas"]["refusals"]) - refusals_before == set()
+
+
+def test_every_program_updates_the_pool_in_place(runs):
+    """No compiled program copies a whole pool leaf. Before the barriers of `state_io.PoolIO.gdn`
+    and `engine.transitions` (step_rows' checkpoint, the drafter's stash read), a one-sequence
+    decode copied the GDN state, the conv windows and the stash, a verify the state and the
+    windows, and every prefill the stash: at a released model's size, gigabytes a step."""
+    results, _ = runs
+    for f in FORWARDS:
+        programs = list(results[f][0].programs.info.values())
+        assert {p.name for p in programs} >= {"prefill_chunk", "step_rows", "propose", "gdn_fold", "commit_conv"}
+        assert [p for p in programs if p.pool_copies] == [], f

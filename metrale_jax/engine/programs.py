@@ -22,11 +22,22 @@ import jax
 _LAUNCH_RE = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*\S+\s+(fusion|custom-call|dot|convolution|scatter|gather|sort|while|conditional)\(", re.M)
 
 
+# A copy op of the entry computation and its result type without layout: "f32[2,5,64]".
+_COPY_RE = re.compile(r"=\s*(\w+\[[\d,]*\])(?:\{[^}]*\})?\s+copy\(", re.M)
+_HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "uint8": "u8",
+               "int8": "s8", "bool": "pred", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramInfo:
+    """name; digest of the optimized HLO; launches (top-level device ops); pool_copies: copies
+    of a whole pool leaf (a donated array of more than one element), which an in-place step must
+    not make."""
+
     name: str
     digest: str
     launches: int
+    pool_copies: int
 
 
 def _signature(args):
@@ -40,6 +51,15 @@ def count_launches(hlo_text: str) -> int:
     """Top-level device launches of an optimized HLO module's entry computation."""
     entry = hlo_text.split("ENTRY", 1)[-1]
     return len(_LAUNCH_RE.findall(entry))
+
+
+def count_pool_copies(hlo_text: str, pool) -> int:
+    """Copies in the entry computation whose result has the type of a leaf of `pool` with more
+    than one element (XLA copies a donated buffer when it cannot update it in place)."""
+    types = {f"{_HLO_DTYPES.get(str(x.dtype), str(x.dtype))}[{','.join(map(str, x.shape))}]"
+             for x in jax.tree_util.tree_leaves(pool) if x.size > 1}
+    entry = hlo_text.split("ENTRY", 1)[-1]
+    return sum(t in types for t in _COPY_RE.findall(entry))
 
 
 class ProgramCache:
@@ -59,7 +79,8 @@ class ProgramCache:
             prog = jitted.lower(*args).compile()
             self.compilations += 1
             text = prog.as_text()
-            self.info[key] = ProgramInfo(name, hashlib.sha256(text.encode()).hexdigest()[:16], count_launches(text))
+            self.info[key] = ProgramInfo(name, hashlib.sha256(text.encode()).hexdigest()[:16], count_launches(text),
+                                         count_pool_copies(text, args[0]))
             self._programs[key] = prog
         return prog(*args)
 

@@ -57,7 +57,11 @@ def _mtp_hidden(params, cfg: ModelConfig, hidden):
 
 def _drafter_catch_up(pool: EnginePool, params, cfg, counts, ops, tokens, hidden, positions, slots, draft_tables):
     """Write the drafter KV of pairs (previous row's hidden, this row's token) at position p - 1."""
-    prev = jnp.concatenate([pool.stash[slots][:, None, :], hidden[:, :-1]], axis=1)
+    # NOTE: ordered before a decode's stash write (see step_rows' checkpoint NOTE); unordered,
+    # XLA copied the whole stash twice a step.
+    stashed, stash = jax.lax.optimization_barrier((pool.stash[slots], pool.stash))
+    pool = pool.replace(stash=stash)
+    prev = jnp.concatenate([stashed[:, None, :], hidden[:, :-1]], axis=1)
     mtp_pos = jnp.where(positions > 0, positions - 1, -1)
     io = _drafter_io(cfg, counts, ops, mtp_pos, draft_tables)
     state = TrunkState(gdn_h=None, gdn_conv=None, kv_k=pool.draft_k, kv_v=pool.draft_v)
@@ -114,8 +118,11 @@ def step_rows(pool: EnginePool, params, tokens, lens, seq_lens, slots, block_tab
     positions = _positions(seq_lens, lens, t)
     if verify and pool.ckpt_h is not None:
         h, c = pool.trunk.gdn_h, pool.trunk.gdn_conv
-        pool = pool.replace(ckpt_h=pool.ckpt_h.at[:, vslot].set(h[:, slots]),
-                            ckpt_conv=pool.ckpt_conv.at[:, vslot].set(c[:, slots]))
+        ckpt_h, ckpt_conv = pool.ckpt_h.at[:, vslot].set(h[:, slots]), pool.ckpt_conv.at[:, vslot].set(c[:, slots])
+        # NOTE: the barrier orders the checkpoint's reads before the layers' in-place writes;
+        # without it XLA copied the whole GDN state pool (every layer, every slot) twice a step.
+        h, c, ckpt_h, ckpt_conv = jax.lax.optimization_barrier((h, c, ckpt_h, ckpt_conv))
+        pool = pool.replace(trunk=pool.trunk.replace(gdn_h=h, gdn_conv=c), ckpt_h=ckpt_h, ckpt_conv=ckpt_conv)
     io = PoolIO(cfg=cfg, slots=slots, lens=lens, positions=positions, block_tables=block_tables,
                 null_block=counts.kv_blocks - 1, gdn_mode="rows", ops=ops,
                 vrow_base=vrow_base if verify else None, vslot=vslot if verify else None)

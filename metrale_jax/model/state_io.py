@@ -101,8 +101,11 @@ class PoolIO:
     def gdn(self, state: TrunkState, li: int, p, mixed, b, a):
         """Conv + delta rule for linear layer li. Returns (o [B, T, nv, dv] f32, new state)."""
         cfg = self.cfg
-        h0 = state.gdn_h[li][self.slots].astype(jnp.float32)
-        w0 = state.gdn_conv[li][self.slots]
+        # NOTE: the barrier materialises the slots' state and window before anything reads them;
+        # fused into the in-place write of the same slots below, the reads made XLA copy the
+        # whole state pool (every layer, every slot) at each single-sequence step.
+        h0, w0 = jax.lax.optimization_barrier((state.gdn_h[li, self.slots], state.gdn_conv[li, self.slots]))
+        h0 = h0.astype(jnp.float32)
         if self.fresh is not None:
             h0 = jnp.where(self.fresh[:, None, None, None], 0.0, h0)
             w0 = jnp.where(self.fresh[:, None, None], jnp.zeros_like(w0), w0)

@@ -1,0 +1,47 @@
+"""Section `slots`: a one-sequence step's device time against the number of slots the engine holds.
+
+Why it exists: every program takes the engine's pool donated and must update it in place. When
+XLA cannot order a read of a pool buffer before its in-place write, it copies the whole buffer
+(every layer, every slot) instead, and the step's cost then grows with the slot count, not with
+the work (a one-sequence decode of the 48-layer pattern at 64 slots took 30.8 ms instead of 2.3).
+This section shows that growth, or its absence: one engine per slot count, one sequence of `ctx`
+tokens, its decode and its verify of K rows timed as compiled programs alone (`DeviceStep`), and
+the programs' `pool_copies` (copies of a whole pool leaf; 0 when the pool is updated in place).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks import models
+from benchmarks.steps import DeviceStep, StepBench
+
+
+def _device_time(bench: StepBench, step, iters: int) -> float:
+    dev = DeviceStep(bench.engine, "step_rows")
+    try:
+        step()
+    finally:
+        dev.release()
+    return dev.time(iters)
+
+
+def run(model_name: str, *, slot_counts, ctx: int, k: int, iters: int, seed: int = 0) -> dict:
+    cfg, params = models.model(model_name)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, cfg.vocab_size, size=(1, ctx)).tolist()
+    rows = rng.integers(0, cfg.vocab_size, size=(1, k)).tolist()
+    out = []
+    for slots in slot_counts:
+        bench = StepBench(cfg, params, max_batch=slots, max_seq_len=16 * (-(-(ctx + k + 17) // 16)), speculative=True,
+                          num_drafts=k - 1, mtp_k_ladder=f"{slots}:{k - 1}")
+        bench.context("c", prompt)
+        decode_s = _device_time(bench, lambda: bench.decode("c", rows[0][:1]), iters)
+        verify_s = _device_time(bench, lambda: bench.verify("c", rows), iters)
+        trunk = bench.engine.pool.trunk
+        out.append({
+            "slots": slots, "decode_s": decode_s, "verify_s": verify_s,
+            "gdn_state_bytes": int(trunk.gdn_h.nbytes + trunk.gdn_conv.nbytes),
+            "pool_copies": {i.name: i.pool_copies for i in bench.engine.programs.info.values()},
+        })
+    return {"model": model_name, "context_tokens": ctx, "k": k, "iters": iters, "rows": out}
