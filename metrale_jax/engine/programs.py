@@ -2,7 +2,8 @@
 
 Owns: `ProgramCache` — ahead-of-time compilation of the engine's transitions with the pool
 donated, the count of compilations (the zero-recompile tests read it), and the disclosure of
-what a forward compiled: a digest of each program's optimized HLO and its kernel launches.
+what a forward compiled: a digest of each program's optimized HLO, its kernel launches and its
+copies of whole pool leaves (which an in-place step must not make).
 
 Invariant: a cached program is reused only for arguments of identical tree structure, shapes
 and dtypes; AOT programs never retrace, so a hit costs no compilation.

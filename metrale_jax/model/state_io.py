@@ -19,6 +19,9 @@ Invariants:
   whichever implementation runs inside; that is what makes the `pallas` forward byte-equal to
   the `xla` one on CPU (without the fence, XLA fuses e.g. GDN's sigmoid gate differently into
   each consumer and rounds it differently, by 1 ulp).
+- The pool is updated in place: a read of a pool array that a later write of the same array
+  could overtake is fenced too, so XLA never copies a whole pool leaf (the engine counts such
+  copies per program: `ProgramInfo.pool_copies`).
 """
 
 from __future__ import annotations
