@@ -18,7 +18,7 @@ import numpy as np
 
 from benchmarks import models
 from kernels_pallas.ops import PallasOps
-from benchmarks.steps import StepBench
+from benchmarks.steps import StepBench, max_seq_len_for
 from benchmarks.timing import paired
 
 
@@ -27,7 +27,7 @@ def run(model_name: str, *, prefill_len: int, n: int, k: int, ctx: int, repeats:
     cfg, params = models.model(model_name)
     rng = np.random.default_rng(seed)
     rand = lambda *shape: rng.integers(0, cfg.vocab_size, size=shape).tolist()  # noqa: E731
-    max_seq_len = 16 * (-(-(max(prefill_len, ctx + k + 2) + 17) // 16))
+    max_seq_len = max_seq_len_for(max(prefill_len, ctx + k + 2))
     bench = StepBench(cfg, params, max_batch=2 * n + 1, max_seq_len=max_seq_len, speculative=True, num_drafts=k - 1,
                       mtp_k_ladder=f"{2 * n + 1}:{k - 1}")  # every slot may verify K rows
     eng = bench.engine

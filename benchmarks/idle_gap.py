@@ -19,13 +19,13 @@ import time
 import numpy as np
 
 from benchmarks import models
-from benchmarks.steps import StepBench
+from benchmarks.steps import StepBench, max_seq_len_for
 
 
 def run(model_name: str, *, n: int, k: int, ctx: int, gaps, calls: int, rounds: int, warmup: int, seed: int = 0) -> dict:
     cfg, params = models.model(model_name)
     rng = np.random.default_rng(seed)
-    bench = StepBench(cfg, params, max_batch=n, max_seq_len=16 * (-(-(ctx + k + 17) // 16)), speculative=True,
+    bench = StepBench(cfg, params, max_batch=n, max_seq_len=max_seq_len_for(ctx + k), speculative=True,
                       num_drafts=k - 1, mtp_k_ladder=f"{n}:{k - 1}")
     bench.context("c", rng.integers(0, cfg.vocab_size, size=(n, ctx)).tolist())
     rows = rng.integers(0, cfg.vocab_size, size=(n, k)).tolist()

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import gpu_check, models
-from benchmarks.steps import DeviceStep, StepBench
+from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 from metrale_jax.config import FULL
 from metrale_jax.engine.pool import H_DTYPES, KV_DTYPES
 from metrale_jax.params import init_params, is_spec, param_specs
@@ -129,7 +129,7 @@ def run(*, dry_run: bool, layers: int, ctx: int, decode_ns, verify_ns, k: int, i
     params = init_params(cfg, seed, dtype)
     block_size = 16
     max_batch = max([*decode_ns, *verify_ns])
-    max_seq_len = block_size * (-(-(ctx + k + 2 + block_size) // block_size))
+    max_seq_len = max_seq_len_for(ctx + k + 1, block_size)
     bench = StepBench(cfg, params, max_batch=max_batch, max_seq_len=max_seq_len, speculative=True, num_drafts=k - 1,
                       forward=forward, kv_cache_dtype="bf16", block_size=block_size, max_prefill_tokens=min(ctx, 2048),
                       mtp_k_ladder=f"{max(max_batch, 1)}:{k - 1}")

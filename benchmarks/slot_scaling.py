@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import models
-from benchmarks.steps import DeviceStep, StepBench
+from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 
 
 def _device_time(bench: StepBench, step, iters: int) -> float:
@@ -33,7 +33,7 @@ def run(model_name: str, *, slot_counts, ctx: int, k: int, iters: int, seed: int
     rows = rng.integers(0, cfg.vocab_size, size=(1, k)).tolist()
     out = []
     for slots in slot_counts:
-        bench = StepBench(cfg, params, max_batch=slots, max_seq_len=16 * (-(-(ctx + k + 17) // 16)), speculative=True,
+        bench = StepBench(cfg, params, max_batch=slots, max_seq_len=max_seq_len_for(ctx + k), speculative=True,
                           num_drafts=k - 1, mtp_k_ladder=f"{slots}:{k - 1}")
         bench.context("c", prompt)
         decode_s = _device_time(bench, lambda: bench.decode("c", rows[0][:1]), iters)

@@ -1,7 +1,7 @@
 """Engine step runners for timing: a prefill, a decode step and a verify step that each leave
 the engine as they found it, so the same step can be timed again and again.
 
-Owns: `StepBench` (an `Engine` plus the sequences it keeps as decode/verify contexts) and
+Owns: `max_seq_len_for` (the engine size a benchmark's sequences need), `StepBench` (an `Engine` plus the sequences it keeps as decode/verify contexts) and
 `DeviceStep` (one compiled program of an engine call, re-run alone to time the device work
 without the host's bookkeeping and the logits' copy to the host).
 
@@ -22,6 +22,12 @@ import numpy as np
 
 from benchmarks.models import settings
 from metrale_jax.engine.engine import Engine
+
+
+def max_seq_len_for(tokens: int, block: int = 16) -> int:
+    """The max-seq-len of an engine whose sequences reach `tokens` tokens: whole KV blocks of
+    `block` tokens, with one token and one block to spare beyond them."""
+    return block * (-(-(tokens + 1 + block) // block))
 
 
 class StepBench:

@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks import models
 from benchmarks.hf_env import HFClient
-from benchmarks.steps import DeviceStep, StepBench
+from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 from benchmarks.timing import Stats, back_to_back, paired
 
 
@@ -85,7 +85,7 @@ def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, 
     rng = np.random.default_rng(seed)
     vocab = cfg.vocab_size
     longest = max([*prefill_lens, ctx + max(ks) + 2])
-    max_seq_len = 16 * (-(-(longest + 17) // 16))
+    max_seq_len = max_seq_len_for(longest)
     cases: list[HFCase] = []
 
     def rand(*shape):

@@ -144,8 +144,8 @@ def test_disclosure_plans_differ_and_nothing_refused(runs):
 
 
 def test_every_program_updates_the_pool_in_place(runs):
-    """No compiled program copies a whole pool leaf. Before the barriers of `state_io.PoolIO.gdn`
-    and `engine.transitions` (step_rows' checkpoint, the drafter's stash read), a one-sequence
+    """No compiled program copies a whole pool leaf. Before `state_io.ordered_read` (in
+    `PoolIO.gdn`, step_rows' checkpoint and the drafter's stash read), a one-sequence
     decode copied the GDN state, the conv windows and the stash, a verify the state and the
     windows, and every prefill the stash: at a released model's size, gigabytes a step."""
     results, _ = runs

@@ -27,7 +27,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.pool import EnginePool
 from metrale_jax.model.reductions import first_argmax
-from metrale_jax.model.state_io import PoolIO, TrunkState
+from metrale_jax.model.state_io import PoolIO, TrunkState, ordered_read
 from metrale_jax.model.trunk import final_norm, head, mtp_forward, trunk
 
 
@@ -57,9 +57,7 @@ def _mtp_hidden(params, cfg: ModelConfig, hidden):
 
 def _drafter_catch_up(pool: EnginePool, params, cfg, counts, ops, tokens, hidden, positions, slots, draft_tables):
     """Write the drafter KV of pairs (previous row's hidden, this row's token) at position p - 1."""
-    # NOTE: ordered before a decode's stash write (see step_rows' checkpoint NOTE); unordered,
-    # XLA copied the whole stash twice a step.
-    stashed, stash = jax.lax.optimization_barrier((pool.stash[slots], pool.stash))
+    stashed, (stash,) = ordered_read(pool.stash[slots], pool.stash)  # before a decode's stash write
     pool = pool.replace(stash=stash)
     prev = jnp.concatenate([stashed[:, None, :], hidden[:, :-1]], axis=1)
     mtp_pos = jnp.where(positions > 0, positions - 1, -1)
@@ -118,10 +116,11 @@ def step_rows(pool: EnginePool, params, tokens, lens, seq_lens, slots, block_tab
     positions = _positions(seq_lens, lens, t)
     if verify and pool.ckpt_h is not None:
         h, c = pool.trunk.gdn_h, pool.trunk.gdn_conv
-        ckpt_h, ckpt_conv = pool.ckpt_h.at[:, vslot].set(h[:, slots]), pool.ckpt_conv.at[:, vslot].set(c[:, slots])
-        # NOTE: the barrier orders the checkpoint's reads before the layers' in-place writes;
-        # without it XLA copied the whole GDN state pool (every layer, every slot) twice a step.
-        h, c, ckpt_h, ckpt_conv = jax.lax.optimization_barrier((h, c, ckpt_h, ckpt_conv))
+        # NOTE: the checkpoint written, not the slots' state read, goes through the barrier: the
+        # read then fuses into the checkpoint's write (a separate [L, B, ...] read cost 594 MiB of
+        # scratch in the 80B recipe's verify).
+        (ckpt_h, ckpt_conv), (h, c) = ordered_read(
+            (pool.ckpt_h.at[:, vslot].set(h[:, slots]), pool.ckpt_conv.at[:, vslot].set(c[:, slots])), h, c)
         pool = pool.replace(trunk=pool.trunk.replace(gdn_h=h, gdn_conv=c), ckpt_h=ckpt_h, ckpt_conv=ckpt_conv)
     io = PoolIO(cfg=cfg, slots=slots, lens=lens, positions=positions, block_tables=block_tables,
                 null_block=counts.kv_blocks - 1, gdn_mode="rows", ops=ops,

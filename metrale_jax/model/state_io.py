@@ -20,8 +20,8 @@ Invariants:
   the `xla` one on CPU (without the fence, XLA fuses e.g. GDN's sigmoid gate differently into
   each consumer and rounds it differently, by 1 ulp).
 - The pool is updated in place: a read of a pool array that a later write of the same array
-  could overtake is fenced too, so XLA never copies a whole pool leaf (the engine counts such
-  copies per program: `ProgramInfo.pool_copies`).
+  could overtake goes through `ordered_read`, so XLA never copies a whole pool leaf (the engine
+  counts such copies per program: `ProgramInfo.pool_copies`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,17 @@ from kernels_pallas.paged_attention import reference as attn_ref
 def _fenced(op, *arrays):
     """op(*arrays) between optimization barriers on its inputs and its outputs."""
     return jax.lax.optimization_barrier(op(*jax.lax.optimization_barrier(arrays)))
+
+
+def ordered_read(value, *arrays):
+    """(value, arrays) through one optimization barrier: `value`, read from `arrays`, is then
+    computed before anything can write `arrays` in place.
+
+    NOTE: XLA copies a donated pool array (every layer, every slot) when it cannot order a read of
+    it before the array's in-place write; a verify copied the whole GDN state twice a step that
+    way. `ProgramInfo.pool_copies` counts such copies.
+    """
+    return jax.lax.optimization_barrier((value, arrays))
 
 
 @struct.dataclass
@@ -104,10 +115,9 @@ class PoolIO:
     def gdn(self, state: TrunkState, li: int, p, mixed, b, a):
         """Conv + delta rule for linear layer li. Returns (o [B, T, nv, dv] f32, new state)."""
         cfg = self.cfg
-        # NOTE: the barrier materialises the slots' state and window before anything reads them;
-        # fused into the in-place write of the same slots below, the reads made XLA copy the
-        # whole state pool (every layer, every slot) at each single-sequence step.
-        h0, w0 = jax.lax.optimization_barrier((state.gdn_h[li, self.slots], state.gdn_conv[li, self.slots]))
+        (h0, w0), (gdn_h, gdn_conv) = ordered_read((state.gdn_h[li, self.slots], state.gdn_conv[li, self.slots]),
+                                                   state.gdn_h, state.gdn_conv)
+        state = state.replace(gdn_h=gdn_h, gdn_conv=gdn_conv)
         h0 = h0.astype(jnp.float32)
         if self.fresh is not None:
             h0 = jnp.where(self.fresh[:, None, None, None], 0.0, h0)
