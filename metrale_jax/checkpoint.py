@@ -10,8 +10,10 @@ Invariants:
   corrupt header, an index naming a missing shard) is found from the headers before any tensor
   is read, and reported together in one `CheckpointError`.
 - `save_checkpoint(dir, cfg, params)` followed by `load_checkpoint(dir)` returns equal params.
-- Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba` are de-interleaved into the split form
-  on load and re-interleaved on save; experts stored per expert or fused both load.
+- A leaf may be several tensors: the projections that read the same input are stacked by rows
+  into one leaf (`metrale_jax.params`); Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`
+  are de-interleaved into the split Qwen3.5 order on load and re-interleaved on save; experts
+  stored per expert or fused both load.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
-from metrale_jax.params import param_specs
+from metrale_jax.params import attn_in_rows, gdn_in_rows, moe_in_rows, param_specs
 
 
 class CheckpointError(ValueError):
@@ -216,57 +218,72 @@ def _interleave_ba(w_b, w_a, cfg):
     return np.concatenate([w_b.reshape(nk, r, hd), w_a.reshape(nk, r, hd)], axis=1).reshape(-1, hd)
 
 
+def _split_rows(w, rows) -> list:
+    return np.split(w, np.cumsum(rows)[:-1])
+
+
+def _stacked(path, names, shapes) -> Binding:
+    """One leaf made of several HF tensors stacked by rows, in `names` order."""
+    return Binding(path, tuple(names), tuple(shapes), lambda a: np.concatenate(list(a)),
+                   lambda w: _split_rows(w, [s[0] for s in shapes]))
+
+
+def _gdn_in_binding(cfg: ModelConfig, path: tuple, la: str, hd: int) -> Binding:
+    """The GDN `w_in` leaf: four tensors (Qwen3.5), or Qwen3-Next's two fused ones interleaved
+    per key head."""
+    rows = gdn_in_rows(cfg)
+    if cfg.weight_layout != "qwen3_next":
+        return _stacked(path, [f"{la}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")], [(r, hd) for r in rows])
+
+    def split(w):
+        qkv, z, b, a = _split_rows(w, rows)
+        return [_interleave_qkvz(qkv, z, cfg), _interleave_ba(b, a, cfg)]
+
+    return Binding(path, (f"{la}.in_proj_qkvz.weight", f"{la}.in_proj_ba.weight"),
+                   ((rows[0] + rows[1], hd), (rows[2] + rows[3], hd)),
+                   lambda a: np.concatenate([*_deinterleave_qkvz(a[0], cfg), *_deinterleave_ba(a[1], cfg)]), split)
+
+
 def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind: str, fused_experts: bool):
+    hd = cfg.hidden_size
     out = [
         _one(path + ("input_norm",), f"{prefix}.input_layernorm.weight", spec["input_norm"].shape),
         _one(path + ("post_norm",), f"{prefix}.post_attention_layernorm.weight", spec["post_norm"].shape),
     ]
     if kind == FULL:
-        a = spec["attn"]
-        for leaf, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
-            out.append(_one(path + ("attn", leaf), f"{prefix}.self_attn.{hf}.weight", a[leaf].shape))
+        a, p, sa = spec["attn"], path + ("attn",), f"{prefix}.self_attn"
+        out.append(_stacked(p + ("w_in",), [f"{sa}.{x}_proj.weight" for x in "qkv"], [(r, hd) for r in attn_in_rows(cfg)]))
+        for leaf, hf in (("wo", "o_proj"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
+            out.append(_one(p + (leaf,), f"{sa}.{hf}.weight", a[leaf].shape))
     else:
-        s = spec["gdn"]
-        p = path + ("gdn",)
-        la = f"{prefix}.linear_attn"
-        if cfg.weight_layout == "qwen3_next":
-            qkvz_rows = s["w_qkv"].shape[0] + s["w_z"].shape[0]
-            hd = s["w_qkv"].shape[1]
-            # The fused projections bind two leaves each; the pair is handled by one binding on a
-            # synthetic ("gdn", "qkvz") path that `_assign` splits.
-            out.append(Binding(p + ("qkvz",), (f"{la}.in_proj_qkvz.weight",), ((qkvz_rows, hd),),
-                               lambda a: _deinterleave_qkvz(a[0], cfg), lambda wz: [_interleave_qkvz(wz[0], wz[1], cfg)]))
-            out.append(Binding(p + ("ba",), (f"{la}.in_proj_ba.weight",), ((2 * s["w_b"].shape[0], hd),),
-                               lambda a: _deinterleave_ba(a[0], cfg), lambda ba: [_interleave_ba(ba[0], ba[1], cfg)]))
-        else:
-            for leaf, hf in (("w_qkv", "in_proj_qkv"), ("w_z", "in_proj_z"), ("w_b", "in_proj_b"), ("w_a", "in_proj_a")):
-                out.append(_one(p + (leaf,), f"{la}.{hf}.weight", s[leaf].shape))
+        s, p, la = spec["gdn"], path + ("gdn",), f"{prefix}.linear_attn"
+        out.append(_gdn_in_binding(cfg, p + ("w_in",), la, hd))
         c, kc = s["conv"].shape
         out.append(_one(p + ("conv",), f"{la}.conv1d.weight", (c, 1, kc), lambda x: x[:, 0, :], lambda w: w[:, None, :]))
         for leaf, hf in (("dt_bias", "dt_bias"), ("A_log", "A_log"), ("norm", "norm.weight"), ("out", "out_proj.weight")):
             out.append(_one(p + (leaf,), f"{la}.{hf}", s[leaf].shape))
-    m = spec["mlp"]
-    mp = path + ("mlp",)
-    if "router" in m:
-        e, two_i, hd = m["gate_up"].shape
+    m, mp, pm = spec["mlp"], path + ("mlp",), f"{prefix}.mlp"
+    if "shared_down" in m:
+        e, two_i, _ = m["gate_up"].shape
         i = two_i // 2
-        out.append(_one(mp + ("router",), f"{prefix}.mlp.gate.weight", m["router"].shape))
+        names = [f"{pm}.gate.weight", f"{pm}.shared_expert.gate_proj.weight", f"{pm}.shared_expert.up_proj.weight",
+                 f"{pm}.shared_expert_gate.weight"]
+        out.append(_stacked(mp + ("w_in",), names, [(r, hd) for r in moe_in_rows(cfg)]))
         if fused_experts:
-            out.append(_one(mp + ("gate_up",), f"{prefix}.mlp.experts.gate_up_proj", (e, two_i, hd)))
-            out.append(_one(mp + ("down",), f"{prefix}.mlp.experts.down_proj", m["down"].shape))
+            out.append(_one(mp + ("gate_up",), f"{pm}.experts.gate_up_proj", (e, two_i, hd)))
+            out.append(_one(mp + ("down",), f"{pm}.experts.down_proj", m["down"].shape))
         else:
-            names = tuple(f"{prefix}.mlp.experts.{x}.{w}_proj.weight" for x in range(e) for w in ("gate", "up"))
+            names = tuple(f"{pm}.experts.{x}.{w}_proj.weight" for x in range(e) for w in ("gate", "up"))
             out.append(Binding(mp + ("gate_up",), names, ((i, hd),) * (2 * e),
                                lambda a, e=e: np.stack([np.concatenate([a[2 * x], a[2 * x + 1]]) for x in range(e)]),
                                lambda w, i=i: [part for x in w for part in (x[:i], x[i:])]))
-            names = tuple(f"{prefix}.mlp.experts.{x}.down_proj.weight" for x in range(e))
+            names = tuple(f"{pm}.experts.{x}.down_proj.weight" for x in range(e))
             out.append(Binding(mp + ("down",), names, ((hd, i),) * e, lambda a: np.stack(list(a)), lambda w: list(w)))
-        for leaf in ("gate", "up", "down"):
-            out.append(_one(mp + ("shared", leaf), f"{prefix}.mlp.shared_expert.{leaf}_proj.weight", m["shared"][leaf].shape))
-        out.append(_one(mp + ("shared_gate",), f"{prefix}.mlp.shared_expert_gate.weight", m["shared_gate"].shape))
+        out.append(_one(mp + ("shared_down",), f"{pm}.shared_expert.down_proj.weight", m["shared_down"].shape))
     else:
-        for leaf in ("gate", "up", "down"):
-            out.append(_one(mp + (leaf,), f"{prefix}.mlp.{leaf}_proj.weight", m[leaf].shape))
+        i = m["down"].shape[-1]
+        out.append(_stacked(mp + ("gate_up",), [f"{pm}.gate_proj.weight", f"{pm}.up_proj.weight"], [(i, hd), (i, hd)]))
+        out.append(_one(mp + ("down",), f"{pm}.down_proj.weight", m["down"].shape))
     return out
 
 
@@ -302,24 +319,14 @@ def _assign(tree, path, value):
     node = tree
     for k in head:
         node = node[k]
-    if last == "qkvz":
-        node["w_qkv"], node["w_z"] = value
-    elif last == "ba":
-        node["w_b"], node["w_a"] = value
-    else:
-        node[last] = value
+    node[last] = value
 
 
 def _get(tree, path):
-    *head, last = path
     node = tree
-    for k in head:
+    for k in path:
         node = node[k]
-    if last == "qkvz":
-        return (node["w_qkv"], node["w_z"])
-    if last == "ba":
-        return (node["w_b"], node["w_a"])
-    return node[last]
+    return node
 
 
 def _empty_tree(spec):
@@ -383,8 +390,7 @@ def load_checkpoint(directory: str, dtype=None) -> tuple[ModelConfig, dict]:
     for b in binds:
         arrays = [refs[n].read() for n in b.names]
         value = b.assemble(arrays)
-        conv = lambda x: jnp.asarray(np.asarray(x) if dtype is None else np.asarray(x).astype(dtype))
-        _assign(tree, b.path, tuple(conv(v) for v in value) if isinstance(value, tuple) else conv(value))
+        _assign(tree, b.path, jnp.asarray(value if dtype is None else np.asarray(value).astype(dtype)))
     return cfg, tree
 
 
@@ -393,9 +399,7 @@ def save_checkpoint(directory: str, cfg: ModelConfig, params: dict) -> None:
     os.makedirs(directory, exist_ok=True)
     tensors = {}
     for b in bindings(cfg):
-        leaf = _get(params, b.path)
-        leaf = tuple(np.asarray(x) for x in leaf) if isinstance(leaf, tuple) else np.asarray(leaf)
-        for name, arr in zip(b.names, b.split(leaf)):
+        for name, arr in zip(b.names, b.split(np.asarray(_get(params, b.path)))):
             tensors[name] = np.ascontiguousarray(arr)
     write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
     with open(os.path.join(directory, "config.json"), "w") as f:

@@ -6,15 +6,17 @@ Owns: `param_specs(config)` — the nested dict of `ParamSpec(shape, kind)` ever
 Structure (weights in HF [out, in] orientation; GDN always in the split Qwen3.5 form):
   embed [V, Hd], final_norm [Hd], lm_head [V, Hd] (absent when tied),
   layers[i]: input_norm, post_norm [Hd];
-    gdn: w_qkv [C, Hd], w_z [nv*dv, Hd], w_b [nv, Hd], w_a [nv, Hd], conv [C, Kc],
-         dt_bias [nv], A_log [nv], norm [dv], out [Hd, nv*dv]
-    attn: wq [H*2D, Hd] (per head: D query rows then D gate rows), wk, wv [KV*D, Hd],
-          wo [Hd, H*D], q_norm, k_norm [D]
-    mlp: dense {gate, up [I, Hd], down [Hd, I]} or
-         moe {router [E, Hd], gate_up [E, 2I, Hd], down [E, Hd, I], shared {gate, up, down},
-              shared_gate [1, Hd]}
+    gdn: w_in [C + nv*dv + 2nv, Hd] (rows: qkv, z, b, a), conv [C, Kc], dt_bias [nv],
+         A_log [nv], norm [dv], out [Hd, nv*dv]
+    attn: w_in [H*2D + 2*KV*D, Hd] (rows: q with its gate — per head D query rows then D gate
+          rows —, k, v), wo [Hd, H*D], q_norm, k_norm [D]
+    mlp: dense {gate_up [2I, Hd] (gate rows, then up), down [Hd, I]} or
+         moe {w_in [E + 2Is + 1, Hd] (rows: router, shared gate, shared up, shared-expert gate),
+              gate_up [E, 2I, Hd], down [E, Hd, I] (the experts), shared_down [Hd, Is]}
   mtp (when num_mtp_layers > 0): fc [Hd, 2Hd], norm_embedding, norm_hidden, norm [Hd],
        layers[j]: a full-attention layer as above (MLP kind of layer 0).
+The `w_in` / `gate_up` leaves are the checkpoint's projections that read the same input, stacked
+by rows (`*_in_rows` give the parts): one product per layer input instead of one per projection.
 Invariant: `init_params(c, s, d)` and `jax.eval_shape` of it have exactly the shapes of
 `param_specs(c)`; zero-centred norm weights are stored zero-centred (applied as 1 + w).
 """
@@ -37,34 +39,42 @@ class ParamSpec:
     kind: str
 
 
-def _dense_mlp(hd: int, inter: int):
-    return {
-        "gate": ParamSpec((inter, hd), "linear"),
-        "up": ParamSpec((inter, hd), "linear"),
-        "down": ParamSpec((hd, inter), "linear"),
-    }
+def gdn_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Rows of the GDN `w_in` parts: qkv (conv channels), z, b, a."""
+    nv = cfg.linear_num_value_heads
+    return (cfg.conv_dim, cfg.value_dim, nv, nv)
+
+
+def attn_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Rows of the attention `w_in` parts: q with its gate, k, v."""
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
+
+
+def moe_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Rows of the MoE `w_in` parts: router, shared-expert gate, shared-expert up, shared-expert gate scalar."""
+    si = cfg.shared_expert_intermediate_size
+    return (cfg.num_experts, si, si, 1)
 
 
 def _mlp(cfg: ModelConfig, moe: bool):
     hd = cfg.hidden_size
     if not moe:
-        return _dense_mlp(hd, cfg.intermediate_size)
+        i = cfg.intermediate_size
+        return {"gate_up": ParamSpec((2 * i, hd), "linear"), "down": ParamSpec((hd, i), "linear")}
     e, i = cfg.num_experts, cfg.moe_intermediate_size
     return {
-        "router": ParamSpec((e, hd), "linear"),
+        "w_in": ParamSpec((sum(moe_in_rows(cfg)), hd), "linear"),
         "gate_up": ParamSpec((e, 2 * i, hd), "linear"),
         "down": ParamSpec((e, hd, i), "linear"),
-        "shared": _dense_mlp(hd, cfg.shared_expert_intermediate_size),
-        "shared_gate": ParamSpec((1, hd), "linear"),
+        "shared_down": ParamSpec((hd, cfg.shared_expert_intermediate_size), "linear"),
     }
 
 
 def _attn(cfg: ModelConfig):
-    hd, h, kv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hd, h, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     return {
-        "wq": ParamSpec((h * 2 * d, hd), "linear"),
-        "wk": ParamSpec((kv * d, hd), "linear"),
-        "wv": ParamSpec((kv * d, hd), "linear"),
+        "w_in": ParamSpec((sum(attn_in_rows(cfg)), hd), "linear"),
         "wo": ParamSpec((hd, h * d), "linear"),
         "q_norm": ParamSpec((d,), "norm0"),
         "k_norm": ParamSpec((d,), "norm0"),
@@ -74,10 +84,7 @@ def _attn(cfg: ModelConfig):
 def _gdn(cfg: ModelConfig):
     hd, nv = cfg.hidden_size, cfg.linear_num_value_heads
     return {
-        "w_qkv": ParamSpec((cfg.conv_dim, hd), "linear"),
-        "w_z": ParamSpec((cfg.value_dim, hd), "linear"),
-        "w_b": ParamSpec((nv, hd), "linear"),
-        "w_a": ParamSpec((nv, hd), "linear"),
+        "w_in": ParamSpec((sum(gdn_in_rows(cfg)), hd), "linear"),
         "conv": ParamSpec((cfg.conv_dim, cfg.linear_conv_kernel_dim), "conv"),
         "dt_bias": ParamSpec((nv,), "dt_bias"),
         "A_log": ParamSpec((nv,), "a_log"),

@@ -25,7 +25,7 @@ def test_stacked_params_have_a_group_axis():
     params = init_params(PERIODIC, 0)
     stacked = stack_layer_groups(params, PERIODIC)
     assert "layers" not in stacked and len(stacked["layer_groups"]) == 4
-    np.testing.assert_array_equal(stacked["layer_groups"][3]["attn"]["wq"][1], params["layers"][7]["attn"]["wq"])
+    np.testing.assert_array_equal(stacked["layer_groups"][3]["attn"]["w_in"][1], params["layers"][7]["attn"]["w_in"])
     tiny = init_params(TINY, 0)
     assert stack_layer_groups(tiny, TINY) is tiny  # no repetition: the list layout stays
     assert sum(x.size for x in jax.tree_util.tree_leaves(stacked)) == sum(x.size for x in jax.tree_util.tree_leaves(params))

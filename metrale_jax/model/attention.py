@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.linear import linear
+from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.model.norms import rms_norm
 from metrale_jax.model.rope import apply_rope
+from metrale_jax.params import attn_in_rows
 
 
 def project(p, x, positions, cfg: ModelConfig):
@@ -23,11 +24,12 @@ def project(p, x, positions, cfg: ModelConfig):
     chex.assert_shape(positions, x.shape[:2])
     b_, t = x.shape[:2]
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = linear(x, p["wq"]).reshape(b_, t, h, 2 * d)
+    qg, k, v = linear_parts(x, p["w_in"], attn_in_rows(cfg))
+    qg = qg.reshape(b_, t, h, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(b_, t, h * d)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(linear(x, p["wk"]).reshape(b_, t, kvh, d), p["k_norm"], cfg.rms_norm_eps)
-    v = linear(x, p["wv"]).reshape(b_, t, kvh, d)
+    k = rms_norm(k.reshape(b_, t, kvh, d), p["k_norm"], cfg.rms_norm_eps)
+    v = v.reshape(b_, t, kvh, d)
     pos = jnp.maximum(positions, 0)
     q = apply_rope(q, pos, cfg.rotary_dim, cfg.rope_theta)
     k = apply_rope(k, pos, cfg.rotary_dim, cfg.rope_theta)

@@ -16,18 +16,18 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.linear import linear
+from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.model.norms import gated_rms_norm
 from metrale_jax.model.reductions import ordered_sum
+from metrale_jax.params import gdn_in_rows
 
 
 def project(p, x, cfg: ModelConfig):
     """x [B, T, Hd] -> (mixed [B, T, C] pre-conv, z [B, T, nv, dv], b [B, T, nv], a [B, T, nv])."""
     chex.assert_shape(x, (None, None, cfg.hidden_size))
     b_, t = x.shape[:2]
-    mixed = linear(x, p["w_qkv"])
-    z = linear(x, p["w_z"]).reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-    return mixed, z, linear(x, p["w_b"]), linear(x, p["w_a"])
+    mixed, z, b, a = linear_parts(x, p["w_in"], gdn_in_rows(cfg))
+    return mixed, z.reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim), b, a
 
 
 def causal_conv(mixed, window, w, lens):

@@ -11,13 +11,20 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.linear import linear
+from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.model.reductions import ordered_sum
+from metrale_jax.params import moe_in_rows
 
 
-def swiglu(p, x):
-    """down(silu(gate(x)) * up(x)); p = {gate [I, Hd], up [I, Hd], down [Hd, I]}."""
-    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+def swiglu(gate, up, down):
+    """down(silu(gate) * up): gate, up [..., I] (the input's projections), down [Hd, I]."""
+    return linear(jax.nn.silu(gate) * up, down)
+
+
+def dense_mlp(p, x):
+    """The dense SwiGLU MLP; p = {gate_up [2I, Hd] (gate rows, then up), down [Hd, I]}."""
+    inter = p["down"].shape[-1]
+    return swiglu(*linear_parts(x, p["gate_up"], (inter, inter)), p["down"])
 
 
 # The most activation elements (rows x experts x (2I + Hd)) for which `moe` runs every expert in
@@ -26,8 +33,9 @@ DENSE_EXPERTS_MAX_ELEMENTS = 1 << 20
 
 
 def moe(p, x, cfg: ModelConfig):
-    """Sparse MoE block. x: [..., Hd]. p: router [E, Hd], gate_up [E, 2I, Hd] (gate rows first),
-    down [E, Hd, I], shared {gate, up, down}, shared_gate [1, Hd].
+    """Sparse MoE block. x: [..., Hd]. p: w_in [E + 2Is + 1, Hd] (router, shared-expert gate and
+    up, shared-expert gate scalar), gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I],
+    shared_down [Hd, Is].
 
     Every expert runs on every row, weighted by the row's routing weight (0 when not selected),
     in one of two forms chosen by shape (so one program always takes the same one):
@@ -40,7 +48,7 @@ def moe(p, x, cfg: ModelConfig):
     launch overhead (XLA CPU: ~0.15 ms of a 1.6 ms tiny verify step per MoE layer). It costs
     E/top_k more FLOPs than a grouped matmul, as the scan does.
     """
-    logits = linear(x, p["router"])
+    logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg))
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
@@ -64,10 +72,10 @@ def moe(p, x, cfg: ModelConfig):
             return acc + out * w[..., None], None
 
         routed, _ = jax.lax.scan(expert, jnp.zeros_like(x), (p["gate_up"], p["down"], jnp.moveaxis(combine, -1, 0)))
-    shared = swiglu(p["shared"], x) * jax.nn.sigmoid(linear(x, p["shared_gate"]))
+    shared = swiglu(shared_gate, shared_up, p["shared_down"]) * jax.nn.sigmoid(shared_scale)
     return routed + shared
 
 
 def ffn(p, x, cfg: ModelConfig):
-    """The layer's feed-forward: MoE when its params carry a router, else the dense MLP."""
-    return moe(p, x, cfg) if "router" in p else swiglu(p, x)
+    """The layer's feed-forward: MoE when its params carry a shared expert, else the dense MLP."""
+    return moe(p, x, cfg) if "shared_down" in p else dense_mlp(p, x)
