@@ -6,7 +6,8 @@ norms, MTP head) and finding the checkpoint bytes the engine never loads ("outsi
 Invariants:
 - With weights on disk, a parameter's bytes are its tensors' byte ranges in the safetensors
   headers, via the loader's own bindings (the loader keeps the stored dtype).
-- Without, they are the shapes and dtypes of `init_params` traced by `jax.eval_shape`.
+- Without, they are the shapes of the same bindings (the checkpoint tensors the config implies)
+  at the serve dtype, so `tensors` counts checkpoint tensors either way.
 - No tensor data is read and no parameter is materialised.
 """
 from __future__ import annotations
@@ -14,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import jax
 import numpy as np
 
+from metrale_jax.checkpoint import bindings
 from metrale_jax.memory.plan import Term
 from metrale_jax.memory.source import ModelSource
-from metrale_jax.params import init_params
 
 WEIGHTS = "weights"
 _MIXERS = {"gdn": "layers: gated deltanet", "attn": "layers: attention", "mlp": "layers: mlp"}
@@ -50,8 +50,8 @@ def _fold(items: Iterable[tuple[str, int, str]]) -> tuple[Term, ...]:
 def weight_terms(source: ModelSource, dtype: Any) -> tuple[Term, ...]:
     """The served weights of `source`, one term per group.
 
-    From the headers when `source` has tensors on disk (their stored dtype), else from
-    `init_params(config, 0, dtype)` under `jax.eval_shape`.
+    From the headers when `source` has tensors on disk (their stored dtype), else from the
+    shapes of the loader's bindings for the config, at `dtype`.
     """
     if source.bindings:
         return _fold(
@@ -59,12 +59,10 @@ def weight_terms(source: ModelSource, dtype: Any) -> tuple[Term, ...]:
              source.tensors[n].dtype)
             for b in source.bindings for n in b.names
         )
-    tree = jax.eval_shape(lambda: init_params(source.config, 0, dtype))
+    itemsize, name = np.dtype(dtype).itemsize, str(np.dtype(dtype))
     return _fold(
-        (weight_group(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)),
-         int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize,
-         str(np.dtype(leaf.dtype)))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        (weight_group(b.path), int(np.prod(shape, dtype=np.int64)) * itemsize, name)
+        for b in bindings(source.config) for shape in b.shapes
     )
 
 
