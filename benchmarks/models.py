@@ -4,16 +4,19 @@ Owns: `qwen3_next_pattern` (the released Qwen3-Next layer pattern, any depth, at
 width: the graph that decides compile time is the layer count), `qwen35_stack` (a Qwen3.5-35B-A3B
 layer stack at full width for the GPU roofline, or at tiny width for its dry run), `settings`
 (EngineSettings from flags, as the tests build them) and `write_checkpoint` (the random
-checkpoint written once in the HF safetensors layout, so HF `from_pretrained` reads the very
-weights the engine runs).
+checkpoint in the HF safetensors layout, rewritten whenever the weights change, so HF
+`from_pretrained` reads the very weights the engine runs).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from metrale_jax.checkpoint import save_checkpoint
 from metrale_jax.config import FULL, LINEAR, ModelConfig, load_model_config
@@ -114,14 +117,29 @@ def settings(**flags):
     return resolve_settings(raw, None, auto_slots=int(flags.get("max_batch_size", 8)))
 
 
+def weights_digest(cfg: ModelConfig, params) -> str:
+    """sha256 of the config and every parameter leaf (path, dtype, shape, bytes)."""
+    h = hashlib.sha256(json.dumps(cfg.to_hf_dict(), sort_keys=True).encode())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        x = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(path)} {x.dtype} {x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
 def write_checkpoint(directory: str, cfg: ModelConfig, params) -> str:
-    """Write (once) `params` as an HF-loadable checkpoint in `directory`; an existing one whose
-    config.json equals `cfg`'s is reused (weights are a pure function of the model name)."""
-    path = os.path.join(directory, "config.json")
-    want = cfg.to_hf_dict()
-    if os.path.isfile(path) and os.path.isfile(os.path.join(directory, "model.safetensors")):
-        with open(path) as f:
-            if json.load(f) == json.loads(json.dumps(want)):
+    """Write `params` as an HF-loadable checkpoint in `directory`, unless the checkpoint there was
+    written from the same config and weights (`weights_digest`, kept next to it).
+    NOTE: keyed on the weights, not the model name: a seeded model's bytes change when the
+    parameter tree does, and HF must never read an older version's weights (it did once: every
+    |dlogit| ~5 in the table)."""
+    digest = weights_digest(cfg, params)
+    stamp = os.path.join(directory, "weights.sha256")
+    if os.path.isfile(stamp) and os.path.isfile(os.path.join(directory, "model.safetensors")):
+        with open(stamp) as f:
+            if f.read().strip() == digest:
                 return directory
     save_checkpoint(directory, cfg, params)
+    with open(stamp, "w") as f:
+        f.write(digest + "\n")
     return directory

@@ -6,6 +6,10 @@ of the medians with the quartiles (p25-p75) of the per-round ratios of the alter
 
 from __future__ import annotations
 
+# |JAX - HF| logits above this (relative to the largest |logit|, at least 1) mark a case: the two
+# sides did not run the same model (float32 parity is ~1e-5).
+LOGIT_TOLERANCE = 1e-3
+
 
 def _mm(s: dict, scale: float = 1e3, fmt: str = ".3f") -> str:
     return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}-{s['max'] * scale:{fmt}})"
@@ -45,6 +49,8 @@ def hf_table(r: dict) -> str:
     ]
     for c in r["cases"]:
         extra = f"tok/s JAX {c['jax_tok_s']:.0f}, HF {c['hf_tok_s']:.0f}" if c["kind"] == "prefill" else ""
+        if c["max_abs_diff"] > LOGIT_TOLERANCE * max(1.0, c["max_abs_logit"]):
+            extra = f"LOGITS DIFFER (not the same model?) {extra}"
         lines.append(
             f"{c['kind']:<8}{c['n']:>3}{c['t']:>6}  {_mm(c['jax']):>26}  {1e3 * c.get('jax_device_s', float('nan')):>8.3f}  "
             f"{_mm(c['hf']):>26}  {c['ratio_of_medians']:>7.3f} "

@@ -14,13 +14,15 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import cli, hf_env, models, roofline  # noqa: E402
+from benchmarks import cli, hf_env, models, report, roofline  # noqa: E402
 from benchmarks.timing import Stats, back_to_back, paired  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -134,8 +136,6 @@ def test_hf_section_is_skipped_with_a_reason_when_its_venv_is_absent(monkeypatch
 
 
 def test_gpu_mode_needs_a_gpu_or_a_dry_run(capsys):
-    import jax
-
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit):
@@ -163,3 +163,32 @@ def test_back_to_back_alternates_blocks_and_takes_ratios_of_block_medians():
     assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
     assert (sa.n, sa.median, sb.median) == (6, 2.0, 1.0)
     assert (r.n, r.median, r.spread) == (2, 2.0, 0.0)
+
+
+def test_benchmark_checkpoint_is_rewritten_when_the_weights_change(tmp_path):
+    """The HF side must read the engine's weights: a checkpoint written from other weights of the
+    same config (an older parameter tree, another seed) is not reused."""
+    from metrale_jax.checkpoint import load_checkpoint
+
+    write_checkpoint = models.write_checkpoint
+    cfg, a = models.model("tiny-2L")
+    b = jax.tree_util.tree_map(lambda x: x + 1.0, a)
+    for params in (a, b, a):
+        write_checkpoint(str(tmp_path), cfg, params)
+        _, loaded = load_checkpoint(str(tmp_path))
+        for x, y in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(params)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    stamp = (tmp_path / "weights.sha256").stat().st_mtime_ns
+    write_checkpoint(str(tmp_path), cfg, a)  # same weights: reused, not rewritten
+    assert (tmp_path / "weights.sha256").stat().st_mtime_ns == stamp
+
+
+def test_hf_table_marks_cases_whose_logits_differ():
+    stats = {"n": 1, "median": 1e-3, "min": 1e-3, "max": 1e-3, "p25": 1e-3, "p75": 1e-3}
+    case = dict(kind="verify", n=1, t=2, jax=stats, hf=stats, ratio=stats, jax_b2b=stats, hf_b2b=stats,
+                ratio_b2b=stats, jax_first_s=1.0, jax_device_s=1e-3, max_abs_logit=5.0, ratio_of_medians=1.0,
+                hf_over_jax=1.0, hf_over_jax_b2b=1.0)
+    hf = {"transformers": "5", "torch": "2", "attn_implementation": "sdpa", "experts_implementation": "x", "threads": 1}
+    run = {"model": "tiny", "context_tokens": 128, "repeats": 1, "warmup": 0, "block": 1, "hf": hf, "cases": [dict(case, max_abs_diff=2e-5), dict(case, max_abs_diff=4.2)]}
+    rows = [line for line in report.hf_table(run).splitlines() if line.startswith("verify")]
+    assert len(rows) == 2 and "LOGITS DIFFER" not in rows[0] and "LOGITS DIFFER" in rows[1]
