@@ -7,8 +7,9 @@ with write-on-accept, then stash, fold, rewind and commit; propose again; a batc
 
 Claims:
 - The two forwards return byte-identical logits, argmaxes, drafts and confidences and hold a
-  byte-identical device pool (every leaf of `engine.pool`) after every call. This holds because
-  the state IO fences every kernel-backed op with optimization barriers (see
+  byte-identical device pool (every leaf of `engine.pool`) after every call of this scenario
+  (not yet of every program: see `test_wide_verify_byte_equal`). The state IO fences every
+  kernel-backed op with optimization barriers (see
   `metrale_jax.model.state_io`): unfenced, XLA CPU fused GDN's sigmoid gate differently into the
   reference GDN and into the Pallas call (1 ulp in 1 of 256 elements of layer 0's beta in a
   64-token prefill chunk; `sigmoid(x)` alone vs fused with a select differ in 0.4% of elements,
@@ -153,3 +154,31 @@ def test_every_program_updates_the_pool_in_place(runs):
         programs = list(results[f][0].programs.info.values())
         assert {p.name for p in programs} >= {"prefill_chunk", "step_rows", "propose", "gdn_fold", "commit_conv"}
         assert [p for p in programs if p.pool_copies] == [], f
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "known divergence, open: in this program the GDN rows kernel (interpreted) and its reference "
+    "give layer 0's state of a few (sequence, head) pairs 1-2 ulp apart, though they are byte-equal "
+    "alone; present before the stacked projections (logits 1.6e-6 apart at 0405fcb)"))
+def test_wide_verify_byte_equal(tiny):
+    """A verify of 8 sequences x 4 rows over 128-token contexts, each prefilled by its own forward:
+    logits and pool byte-equal between the forwards. (The benchmarks' forwards case, which prefills
+    both contexts with `xla`, is byte-equal since the norms' sums became `pairwise_sum`s; with
+    `jnp.mean` its verify logits differed by 6e-7.)"""
+    cfg, params = tiny
+    rng = np.random.default_rng(4)
+    prompts = rng.integers(0, cfg.vocab_size, size=(8, 128)).tolist()
+    rows = rng.integers(0, cfg.vocab_size, size=(8, 4)).tolist()
+    got = {}
+    for f in FORWARDS:
+        eng = Engine(cfg, params, settings(max_batch_size=8, max_seq_len=160, speculative=True, num_drafts=3), forward=f)
+        seqs = [eng.alloc_sequence() for _ in prompts]
+        for s, p in zip(seqs, prompts):
+            eng.prefill(s, p)
+        logits, argmax = eng.verify_batched(seqs, [t for r in rows for t in r], [4] * 8)
+        got[f] = ({"logits": logits, "argmax": argmax}, _pool(eng))
+    (out_x, pool_x), (out_p, pool_p) = got["xla"], got["pallas"]
+    for name in out_x:
+        np.testing.assert_array_equal(_bytes(out_p[name]), _bytes(out_x[name]), err_msg=name)
+    for path in pool_x:
+        np.testing.assert_array_equal(_bytes(pool_p[path]), _bytes(pool_x[path]), err_msg=f"pool{path}")

@@ -6,7 +6,7 @@ bfloat16) the kernel with its default interpreter tiling and form is BYTE-EQUAL 
 padding rows are exact zeros; NaN in other sequences' blocks, in unused blocks and in the own
 blocks past a sequence's last position leaves every result bit-identical, in the kernel and in the
 reference alike. The tiled reference is as accurate as the whole-span softmax it replaced (kept
-here as the yardstick) against the float64 oracle, and `tile_sum` gives a row the same bytes at
+here as the yardstick) against the float64 oracle, and `common.pairwise_sum` gives a row the same bytes at
 any array shape. The Triton form (tl.sum, q-dtype dots) and GPU-sized row blocks, run on CPU, stay
 within the bounded allowance. (Bytes across different row blockings are not a claim: XLA CPU dots
 are not M-invariant.)
@@ -154,14 +154,14 @@ def test_tiled_reference_as_accurate_as_whole_span(dtype):
     assert sq["tiled"] <= sq["whole"], {k: (v / n) ** 0.5 for k, v in sq.items()}
 
 
-def test_tile_sum_is_shape_invariant():
-    """`reference.tile_sum` gives a row the same bytes whatever array it sits in (jnp.sum does not
+def test_pairwise_sum_is_shape_invariant():
+    """`common.pairwise_sum` gives a row the same bytes whatever array it sits in (jnp.sum does not
     on XLA CPU), for power-of-two and other tile lengths, and is a correctly bounded sum."""
     rng = np.random.default_rng(3)
     for n in (64, 60):
         x = rng.uniform(size=(3, 2, 40, n)).astype(np.float32)
-        batched = np.asarray(jax.jit(reference.tile_sum)(x))
-        one_block = np.asarray(jax.jit(reference.tile_sum)(x[1, 0]))
+        batched = np.asarray(jax.jit(common.pairwise_sum)(x))
+        one_block = np.asarray(jax.jit(common.pairwise_sum)(x[1, 0]))
         _assert_bytes_equal(one_block, batched[1, 0])
         exact = x.astype(np.float64).sum(-1)
         assert np.abs(batched - exact).max() <= np.log2(n) * np.finfo(np.float32).eps * exact.max()

@@ -37,3 +37,24 @@ def test_ordered_sum_is_a_left_fold():
         want = want + x[:, i]
     got = jax.jit(ordered_sum, static_argnums=1)(x, 1)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+def test_norms_give_a_row_the_same_bytes_in_any_batch_and_fusion():
+    """`rms_norm` / `gated_rms_norm` of a row do not depend on the array around it or on the
+    product it is sliced from (their sums are `pairwise_sum`s; `jnp.mean` differed)."""
+    from metrale_jax.model.linear import linear_parts
+    from metrale_jax.model.norms import gated_rms_norm, rms_norm
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((96, 64)), jnp.float32)
+    w = jnp.asarray(0.1 * rng.standard_normal(64), jnp.float32)
+    proj = jnp.asarray(rng.standard_normal((64 + 40, 64)) / 8, jnp.float32)
+    z = jnp.asarray(rng.standard_normal((96, 64)), jnp.float32)
+    norms = {"rms": lambda h: rms_norm(h, w, 1e-6), "gated": lambda h: gated_rms_norm(h, z[: h.shape[0]], w, 1e-6)}
+    for name, norm in norms.items():
+        whole = np.asarray(jax.jit(norm)(x))
+        for rows in (1, 3, 8):
+            np.testing.assert_array_equal(np.asarray(jax.jit(norm)(x[:rows])), whole[:rows], err_msg=f"{name} {rows}")
+        sliced = jax.jit(lambda h: norm(linear_parts(h, proj, (64, 40))[0]))(x)
+        alone = jax.jit(norm)(jax.jit(lambda h: linear_parts(h, proj, (64, 40))[0])(x))
+        np.testing.assert_array_equal(np.asarray(sliced), np.asarray(alone), err_msg=name)

@@ -17,7 +17,7 @@ key tiles of `reference.tile_pages(bs)` blocks) and the default form ("reference
   matrices, the same per-tile ops in the same order and dtypes, stopping at the same tile per
   sequence), and the three ops whose CPU bits depend on more than their own operands are avoided
   or matched: the tile's probability sum is a tree of elementwise adds
-  (`reference.tile_sum`; XLA CPU's reduce order changes with the array size), the dots take
+  (`common.pairwise_sum`; XLA CPU's reduce order changes with the array size), the dots take
   float32-widened operands (`reference.widen`; exact products, so the same dot, and XLA CPU's
   bfloat16 dots sum in an order that changes with the surrounding program), and every dot has
   the kernel's M (XLA CPU dots are not M-invariant; a one-row dot is a vector product, so a lone

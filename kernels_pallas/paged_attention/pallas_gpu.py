@@ -27,7 +27,7 @@ Invariants:
   float32, its scores are rounded to q's dtype and scaled in it (HF's eager path); softmax and the
   PV accumulation are float32, with the probabilities cast to q's dtype before the PV dot.
 - The body is the same code on both backends except two ops, picked by `form` (`default_form`):
-  "reference" under the interpreter runs the reference's own (the tile sum as `reference.tile_sum`'s
+  "reference" under the interpreter runs the reference's own (the tile sum as `common.pairwise_sum`'s
   tree of elementwise adds, dot operands widened by `reference.widen`), which with the
   interpreter's tiling (api.default_tiling) makes the kernel byte-equal to the reference;
   "triton" when compiled runs tl.sum (Triton cannot slice a tile) and dots in q's dtype (tensor
@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import common
 from kernels_pallas.paged_attention import reference
 
 FORMS = ("reference", "triton")
@@ -87,7 +88,7 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
         alpha = jnp.exp(m - m_safe)
         v = jnp.where((kpos <= last)[:, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
         pv = jnp.dot(operand(p), v, preferred_element_type=jnp.float32)  # [bm, D]
-        p_sum = reference.tile_sum(p) if exact else jnp.sum(p, axis=1)  # [bm]
+        p_sum = common.pairwise_sum(p) if exact else jnp.sum(p, axis=1)  # [bm]
         return alpha[:, None] * acc + pv, m_new, alpha * l + p_sum
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full(pos.shape, -jnp.inf, jnp.float32), jnp.zeros(pos.shape, jnp.float32))

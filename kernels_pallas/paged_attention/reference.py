@@ -2,8 +2,8 @@
 
 Owns: how a row's keys and values land in the block pool, how a row attends to the cache, and the
 shapes the kernel shares with it (the key tile: `TILE_KEYS`, `tile_pages`; the least row count of
-a row matrix: `MIN_ROWS`), and the two ops the kernel borrows under the interpreter: `tile_sum`
-(the tile's probability sum) and `widen` (a dot operand).
+a row matrix: `MIN_ROWS`), and the op the kernel borrows under the interpreter: `widen` (a dot
+operand); the tile's probability sum is `common.pairwise_sum` on both sides.
 
 Layout: k_cache / v_cache [NB, bs, KV, D] (one attention layer); block_tables [B, MB] int32 map a
 sequence's logical block j to a physical block; token position p lives in block
@@ -32,6 +32,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.common import pairwise_sum
+
 TILE_KEYS = 64  # keys per tile: tile_pages(bs) blocks, read per loop step
 MIN_ROWS = 2  # a row matrix has at least this many rows (padding rows at position -1)
 UNROLL_TILES = 4  # block tables of at most this many key tiles are walked without a loop
@@ -40,23 +42,6 @@ UNROLL_TILES = 4  # block tables of at most this many key tiles are walked witho
 def tile_pages(bs: int) -> int:
     """Blocks per key tile: TILE_KEYS keys, at least one block."""
     return max(1, TILE_KEYS // bs)
-
-
-def tile_sum(x):
-    """Sum over the last axis as a pairwise tree of elementwise adds (first half + second half;
-    the length is zero-padded to a power of two).
-
-    NOTE: not `jnp.sum`: XLA CPU sums an axis in an order that depends on the whole array's shape
-    (arrays of 4096+ elements go to YNNPACK, smaller ones are split into windows of 32), so the
-    same rows summed in a [M, tile] kernel block and in a [B, KV, M, tile] batch differ in the last
-    bit. Elementwise adds round alike at any shape.
-    """
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
 
 
 def widen(x, dtype):
@@ -142,7 +127,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         live = kpos[None, :] <= last[:, None]  # [B, tile]
         v = jnp.where(live[:, None, :, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
         pv = jnp.einsum("bgms,bgsd->bgmd", widen(p, q.dtype), v, preferred_element_type=f32)  # [B, KV, Mp, D]
-        acc_new, l_new = alpha[..., None] * acc + pv, alpha * l + tile_sum(p)
+        acc_new, l_new = alpha[..., None] * acc + pv, alpha * l + pairwise_sum(p)
         # A sequence past its last tile keeps its carry (its kernel program has stopped walking).
         walking = (j < n_tiles)[:, None, None]  # [B, 1, 1]
         return jnp.where(walking[..., None], acc_new, acc), jnp.where(walking, m_new, mx), jnp.where(walking, l_new, l)

@@ -15,6 +15,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.common import pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.model.norms import gated_rms_norm
@@ -58,7 +59,7 @@ def split_qkv(y, cfg: ModelConfig):
     q = y[..., : cfg.key_dim].reshape(b_, t, nk, dk)
     k = y[..., cfg.key_dim : 2 * cfg.key_dim].reshape(b_, t, nk, dk)
     v = y[..., 2 * cfg.key_dim :].reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    l2 = lambda x: x * jax.lax.rsqrt(pairwise_sum(x * x)[..., None] + 1e-6)
     return l2(q) * (dk**-0.5), l2(k), v
 
 

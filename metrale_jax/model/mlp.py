@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.common import pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.model.reductions import ordered_sum
@@ -49,10 +50,12 @@ def moe(p, x, cfg: ModelConfig):
     E/top_k more FLOPs than a grouped matmul, as the scan does.
     """
     logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg))
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    logits32 = logits.astype(jnp.float32)
+    e = jnp.exp(logits32 - jnp.max(logits32, axis=-1, keepdims=True))
+    probs = e / pairwise_sum(e)[..., None]  # softmax, with a shape-invariant sum
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+        top_w = top_w / pairwise_sum(top_w)[..., None]
     top_w = top_w.astype(x.dtype)
     combine = ordered_sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None], axis=-2)  # [..., E]
     inter = cfg.moe_intermediate_size

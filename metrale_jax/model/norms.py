@@ -2,7 +2,10 @@
 
 Invariants: the zero-centred norm multiplies by (1 + w) in float32 and casts once at the end; the
 gated norm (GDN output) is not zero-centred and rounds to the model dtype twice (after the
-normalisation and after the weight product), as transformers does.
+normalisation and after the weight product), as transformers does. The mean of squares is a
+`pairwise_sum`, so a row's norm has the same bytes in any batch and any program (with `jnp.mean`,
+the verify step of 8 sequences differed by 1 ulp between the two forwards, whose programs fuse
+the norm's producer differently).
 """
 
 from __future__ import annotations
@@ -10,11 +13,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.common import pairwise_sum
+
+
+def _rms(x32, eps: float):
+    """rsqrt(mean(x^2) + eps) over the last axis, keepdims; float32 in and out."""
+    return jax.lax.rsqrt(pairwise_sum(x32 * x32)[..., None] / x32.shape[-1] + eps)
+
 
 def rms_norm(x, w, eps: float):
     """Zero-centred RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * (1 + w)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    y = x32 * _rms(x32, eps)
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -22,6 +32,6 @@ def gated_rms_norm(x, z, w, eps: float):
     """RMSNormGated: (w * norm(x).astype(dt)) * silu(z.f32), cast to dt. x, z: [..., dv]; w: [dv]."""
     dt = x.dtype
     x32 = x.astype(jnp.float32)
-    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    n = x32 * _rms(x32, eps)
     t = w.astype(dt) * n.astype(dt)
     return (t.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
