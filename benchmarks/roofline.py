@@ -144,9 +144,7 @@ def run(*, dry_run: bool, layers: int, ctx: int, decode_ns, verify_ns, k: int, i
             bench.context("c", rand(n, ctx))
             toks = rand(n) if kind == "decode" else rand(n, t)
             call = (lambda: bench.decode("c", toks)) if kind == "decode" else (lambda: bench.verify("c", toks))
-            dev = DeviceStep(eng)
-            call()  # compiles; captures the step program
-            dev.release()
+            dev, _ = DeviceStep.capture(eng, call)  # compiles; captures the step program
             engine_ms = 1e3 * float(np.median([call()[0] for _ in range(iters)]))
             device_ms = 1e3 * dev.time(iters)
             by = step_bytes(cfg, eng.settings, n=n, t=t, ctx=ctx, verify=kind == "verify", drafter=eng.drafter,

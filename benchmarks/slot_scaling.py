@@ -17,15 +17,6 @@ from benchmarks import models
 from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 
 
-def _device_time(bench: StepBench, step, iters: int) -> float:
-    dev = DeviceStep(bench.engine, "step_rows")
-    try:
-        step()
-    finally:
-        dev.release()
-    return dev.time(iters)
-
-
 def run(model_name: str, *, slot_counts, ctx: int, k: int, iters: int, seed: int = 0) -> dict:
     cfg, params = models.model(model_name)
     rng = np.random.default_rng(seed)
@@ -36,8 +27,8 @@ def run(model_name: str, *, slot_counts, ctx: int, k: int, iters: int, seed: int
         bench = StepBench(cfg, params, max_batch=slots, max_seq_len=max_seq_len_for(ctx + k), speculative=True,
                           num_drafts=k - 1, mtp_k_ladder=f"{slots}:{k - 1}")
         bench.context("c", prompt)
-        decode_s = _device_time(bench, lambda: bench.decode("c", rows[0][:1]), iters)
-        verify_s = _device_time(bench, lambda: bench.verify("c", rows), iters)
+        decode_s = DeviceStep.capture(bench.engine, lambda: bench.decode("c", rows[0][:1]))[0].time(iters)
+        verify_s = DeviceStep.capture(bench.engine, lambda: bench.verify("c", rows))[0].time(iters)
         trunk = bench.engine.pool.trunk
         out.append({
             "slots": slots, "decode_s": decode_s, "verify_s": verify_s,

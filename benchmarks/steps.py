@@ -1,8 +1,8 @@
 """Engine step runners for timing: a prefill, a decode step and a verify step that each leave
 the engine as they found it, so the same step can be timed again and again.
 
-Owns: `max_seq_len_for` (the engine size a benchmark's sequences need), `StepBench` (an `Engine` plus the sequences it keeps as decode/verify contexts) and
-`DeviceStep` (one compiled program of an engine call, re-run alone to time the device work
+Owns: `max_seq_len_for` (the engine size a benchmark's sequences need), `StepBench` (an `Engine`
+plus the sequences it keeps as decode/verify contexts) and `DeviceStep` (one compiled program of an engine call, re-run alone to time the device work
 without the host's bookkeeping and the logits' copy to the host).
 
 Reset rules: a prefill runs on a fresh sequence that is freed afterwards; a decode step is
@@ -114,6 +114,17 @@ class DeviceStep:
 
         self._orig = orig
         programs.run = run
+
+    @classmethod
+    def capture(cls, engine: Engine, call, name: str = "step_rows"):
+        """Run `call()` with the engine's next `name` program captured (it compiles there when
+        new); returns (the DeviceStep, call's result)."""
+        dev = cls(engine, name)
+        try:
+            out = call()
+        finally:
+            dev.release()
+        return dev, out
 
     def release(self) -> None:
         """Stop capturing (the engine's own `run` again)."""

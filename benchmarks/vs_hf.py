@@ -97,9 +97,8 @@ def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, 
         _log(f"HF loaded: {info}")
 
         def pair(kind, n, t, bench, jax_call, hf_req):
-            dev = DeviceStep(bench.engine, "prefill_chunk" if kind == "prefill" else "step_rows")
-            jax_first, jax_logits = jax_call()
-            dev.release()
+            dev, (jax_first, jax_logits) = DeviceStep.capture(
+                bench.engine, jax_call, "prefill_chunk" if kind == "prefill" else "step_rows")
             hf_logits = hf.call(**hf_req, logits=True)["logits"]
             diff, scale = _diff(jax_logits, hf_logits)
             js, hs, rs = paired(lambda: jax_call()[0], lambda: hf.call(**hf_req)["seconds"], repeats, warmup)
