@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
-from metrale_jax.params import attn_in_rows, gdn_in_rows, moe_in_rows, param_specs
+from metrale_jax.params import attn_in_rows, dense_in_rows, gdn_in_rows, moe_in_rows, param_specs
 
 
 class CheckpointError(ValueError):
@@ -281,8 +281,8 @@ def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind
             out.append(Binding(mp + ("down",), names, ((hd, i),) * e, lambda a: np.stack(list(a)), lambda w: list(w)))
         out.append(_one(mp + ("shared_down",), f"{pm}.shared_expert.down_proj.weight", m["shared_down"].shape))
     else:
-        i = m["down"].shape[-1]
-        out.append(_stacked(mp + ("gate_up",), [f"{pm}.gate_proj.weight", f"{pm}.up_proj.weight"], [(i, hd), (i, hd)]))
+        out.append(_stacked(mp + ("gate_up",), [f"{pm}.gate_proj.weight", f"{pm}.up_proj.weight"],
+                            [(r, hd) for r in dense_in_rows(cfg)]))
         out.append(_one(mp + ("down",), f"{pm}.down_proj.weight", m["down"].shape))
     return out
 

@@ -57,11 +57,16 @@ def moe_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
     return (cfg.num_experts, si, si, 1)
 
 
+def dense_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Rows of the dense MLP's `gate_up` parts: gate, up."""
+    return (cfg.intermediate_size, cfg.intermediate_size)
+
+
 def _mlp(cfg: ModelConfig, moe: bool):
     hd = cfg.hidden_size
     if not moe:
-        i = cfg.intermediate_size
-        return {"gate_up": ParamSpec((2 * i, hd), "linear"), "down": ParamSpec((hd, i), "linear")}
+        return {"gate_up": ParamSpec((sum(dense_in_rows(cfg)), hd), "linear"),
+                "down": ParamSpec((hd, cfg.intermediate_size), "linear")}
     e, i = cfg.num_experts, cfg.moe_intermediate_size
     return {
         "w_in": ParamSpec((sum(moe_in_rows(cfg)), hd), "linear"),

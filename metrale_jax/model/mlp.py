@@ -14,7 +14,7 @@ from kernels_pallas.common import pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.model.reductions import ordered_sum
-from metrale_jax.params import moe_in_rows
+from metrale_jax.params import dense_in_rows, moe_in_rows
 
 
 def swiglu(gate, up, down):
@@ -22,10 +22,9 @@ def swiglu(gate, up, down):
     return linear(jax.nn.silu(gate) * up, down)
 
 
-def dense_mlp(p, x):
+def dense_mlp(p, x, cfg: ModelConfig):
     """The dense SwiGLU MLP; p = {gate_up [2I, Hd] (gate rows, then up), down [Hd, I]}."""
-    inter = p["down"].shape[-1]
-    return swiglu(*linear_parts(x, p["gate_up"], (inter, inter)), p["down"])
+    return swiglu(*linear_parts(x, p["gate_up"], dense_in_rows(cfg)), p["down"])
 
 
 # The most activation elements (rows x experts x (2I + Hd)) for which `moe` runs every expert in
@@ -81,4 +80,4 @@ def moe(p, x, cfg: ModelConfig):
 
 def ffn(p, x, cfg: ModelConfig):
     """The layer's feed-forward: MoE when its params carry a shared expert, else the dense MLP."""
-    return moe(p, x, cfg) if "shared_down" in p else dense_mlp(p, x)
+    return moe(p, x, cfg) if "shared_down" in p else dense_mlp(p, x, cfg)
