@@ -8,7 +8,7 @@ with write-on-accept, then stash, fold, rewind and commit; propose again; a batc
 Claims:
 - The two forwards return byte-identical logits, argmaxes, drafts and confidences and hold a
   byte-identical device pool (every leaf of `engine.pool`) after every call of this scenario
-  (not yet of every program: see `test_wide_verify_byte_equal`). The state IO fences every
+  (not yet of every program: see `test_wide_verify_prefill_byte_equal_verify_within_ulps`). The state IO fences every
   kernel-backed op with optimization barriers (see
   `metrale_jax.model.state_io`): unfenced, XLA CPU fused GDN's sigmoid gate differently into the
   reference GDN and into the Pallas call (1 ulp in 1 of 256 elements of layer 0's beta in a
@@ -156,16 +156,20 @@ def test_every_program_updates_the_pool_in_place(runs):
         assert [p for p in programs if p.pool_copies] == [], f
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known divergence, open: the GDN rows kernel (interpreted) and its reference give layer 0's "
-    "state of a few (sequence, head) pairs 1-2 ulp apart on this scenario's inputs, also run alone "
-    "(LLVM contracts the update's multiply-adds into FMAs differently; BUILD_NOTES, 'Shape-invariant "
-    "sums'); present before the stacked projections (logits 1.6e-6 apart at 0405fcb)"))
-def test_wide_verify_byte_equal(tiny):
-    """A verify of 8 sequences x 4 rows over 128-token contexts, each prefilled by its own forward:
-    logits and pool byte-equal between the forwards. (The benchmarks' forwards case, which prefills
-    both contexts with `xla`, is byte-equal since the norms' sums became `pairwise_sum`s; with
-    `jnp.mean` its verify logits differed by 6e-7.)"""
+# The known divergence's size: both forwards' verify logits (|logit| <= ~6 here) and pools agree to
+# a few float32 ulps; a wrong row, slot or state would be off by orders of magnitude more.
+WIDE_VERIFY_ATOL = 1e-5
+
+
+def test_wide_verify_prefill_byte_equal_verify_within_ulps(tiny):
+    """A verify of 8 sequences x 4 rows over 128-token contexts, each prefilled by its own forward.
+    The prefills are byte-equal (logits and every pool leaf); the verify agrees to WIDE_VERIFY_ATOL
+    with the same argmaxes, but is NOT byte-equal yet: a known divergence, open (BUILD_NOTES,
+    "Shape-invariant sums"). The GDN rows kernel (interpreted) and its reference, run alone on this
+    scenario's layer-0 inputs, give a few (sequence, head) states 1-2 ulp apart, because XLA CPU
+    contracts the state update's multiply-adds into FMAs differently in the two; logits <= 1.1e-6
+    apart (1.6e-6 before the stacked projections, at 0405fcb). When it is fixed, this test should
+    assert bytes for the verify too."""
     cfg, params = tiny
     rng = np.random.default_rng(4)
     prompts = rng.integers(0, cfg.vocab_size, size=(8, 128)).tolist()
@@ -174,12 +178,22 @@ def test_wide_verify_byte_equal(tiny):
     for f in FORWARDS:
         eng = Engine(cfg, params, settings(max_batch_size=8, max_seq_len=160, speculative=True, num_drafts=3), forward=f)
         seqs = [eng.alloc_sequence() for _ in prompts]
-        for s, p in zip(seqs, prompts):
-            eng.prefill(s, p)
+        prefill = {f"logits{i}": eng.prefill(s, p) for i, (s, p) in enumerate(zip(seqs, prompts))}
+        prefill_pool = _pool(eng)
         logits, argmax = eng.verify_batched(seqs, [t for r in rows for t in r], [4] * 8)
-        got[f] = ({"logits": logits, "argmax": argmax}, _pool(eng))
-    (out_x, pool_x), (out_p, pool_p) = got["xla"], got["pallas"]
-    for name in out_x:
-        np.testing.assert_array_equal(_bytes(out_p[name]), _bytes(out_x[name]), err_msg=name)
+        got[f] = (prefill, prefill_pool, logits, argmax, _pool(eng))
+    (pre_x, ppool_x, lx, ax, pool_x), (pre_p, ppool_p, lp, ap, pool_p) = got["xla"], got["pallas"]
+    for name in pre_x:
+        np.testing.assert_array_equal(_bytes(pre_p[name]), _bytes(pre_x[name]), err_msg=f"prefill {name}")
+    for path in ppool_x:
+        np.testing.assert_array_equal(_bytes(ppool_p[path]), _bytes(ppool_x[path]), err_msg=f"prefill pool{path}")
+    np.testing.assert_array_equal(ap, ax)
+    np.testing.assert_allclose(lp, lx, rtol=0, atol=WIDE_VERIFY_ATOL)
     for path in pool_x:
-        np.testing.assert_array_equal(_bytes(pool_p[path]), _bytes(pool_x[path]), err_msg=f"pool{path}")
+        if pool_x[path].dtype.kind == "f":
+            finite = np.isfinite(pool_x[path])  # unwritten rows may hold anything, alike on both sides
+            np.testing.assert_array_equal(finite, np.isfinite(pool_p[path]), err_msg=f"pool{path}")
+            np.testing.assert_allclose(pool_p[path][finite], pool_x[path][finite], rtol=0, atol=WIDE_VERIFY_ATOL,
+                                       err_msg=f"pool{path}")
+        else:
+            np.testing.assert_array_equal(pool_p[path], pool_x[path], err_msg=f"pool{path}")
