@@ -3,6 +3,7 @@
 NOTE: the CLI lives in ./cli but installs as `metrale_jax_cli`, never as a bare `cli` package in
 site-packages; every other package is found under its own name.
 """
+
 from setuptools import find_packages, setup
 
 setup(

@@ -53,40 +53,61 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("--sections", type=_strs, default=None, help=f"comma list of {','.join(SECTIONS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, 1 repeat, in-process (what the tests run)")
-    ap.add_argument("--gpu", action="store_true", help="the roofline on an NVIDIA GPU (with --dry-run: tiny, any machine)")
+    ap.add_argument(
+        "--gpu", action="store_true", help="the roofline on an NVIDIA GPU (with --dry-run: tiny, any machine)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="with --gpu: tiny shapes under the interpreter")
     ap.add_argument("--json", default=os.path.join(ROOT, "out", "bench.json"), help="where the JSON goes")
     ap.add_argument("--workdir", default=os.path.join(ROOT, "out", "bench"), help="checkpoint and driver logs")
     ap.add_argument("--threads", type=int, default=1, help="threads per side: 1 (default), 0 = library defaults, N")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 7; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls per side first (default 2; smoke 0)")
-    ap.add_argument("--block", type=int, default=None, help="hf: back-to-back calls per side and round (default 8; smoke 2)")
+    ap.add_argument(
+        "--block", type=int, default=None, help="hf: back-to-back calls per side and round (default 8; smoke 2)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     g = ap.add_argument_group("hf")
-    g.add_argument("--model", default=None,
-                   help="model of the hf and forwards sections: a preset, tiny-2L, qwen3-next-<L>L[-i<n>] or a checkpoint "
-                        "directory (default tiny; smoke tiny-2L)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model of the hf and forwards sections: a preset, tiny-2L, qwen3-next-<L>L[-i<n>] or a checkpoint "
+        "directory (default tiny; smoke tiny-2L)",
+    )
     g.add_argument("--prefill-lens", type=_ints, default=None, help="default 128,512,2048")
     g.add_argument("--ns", type=_ints, default=None, help="sequences per decode/verify step, default 1,4,8")
     g.add_argument("--ks", type=_ints, default=None, help="verify rows per sequence, default 2,3,4")
     g.add_argument("--ctx", type=int, default=None, help="context tokens before decode/verify, default 128")
-    g.add_argument("--hf-impl", default="default", choices=("default", "eager"),
-                   help="HF attention/experts implementations: from_pretrained's defaults or eager")
+    g.add_argument(
+        "--hf-impl",
+        default="default",
+        choices=("default", "eager"),
+        help="HF attention/experts implementations: from_pretrained's defaults or eager",
+    )
     g.add_argument("--no-hf-setup", action="store_true", help="never create the HF venv (skip the section if absent)")
-    g.add_argument("--forward-steps", type=_strs, default=None, help="forwards section steps, default prefill,decode,verify")
+    g.add_argument(
+        "--forward-steps", type=_strs, default=None, help="forwards section steps, default prefill,decode,verify"
+    )
     g = ap.add_argument_group("compile")
-    g.add_argument("--compile-models", type=_strs, default=None,
-                   help="default tiny,qwen3-next-48L (smoke: qwen3-next-4L-i2, two groups of 2 layers)")
+    g.add_argument(
+        "--compile-models",
+        type=_strs,
+        default=None,
+        help="default tiny,qwen3-next-48L (smoke: qwen3-next-4L-i2, two groups of 2 layers)",
+    )
     g.add_argument("--compile-steps", type=int, default=None, help="verify-loop steps, default 50")
     g.add_argument("--compile-repeats", type=int, default=None, help="runs per case, default 2")
     g.add_argument("--no-isolate", action="store_true", help="measure compile cases in this process")
     g = ap.add_argument_group("gap")
-    g.add_argument("--gaps-ms", type=_ints, default=None, help="idle gaps before each verify call, default 0,2,8 (smoke 0,1)")
+    g.add_argument(
+        "--gaps-ms", type=_ints, default=None, help="idle gaps before each verify call, default 0,2,8 (smoke 0,1)"
+    )
     g.add_argument("--gap-calls", type=int, default=None, help="timed calls per gap and round, default 40 (smoke 2)")
     g.add_argument("--gap-rounds", type=int, default=None, help="rounds over the gaps, default 3 (smoke 1)")
     g = ap.add_argument_group("slots")
     g.add_argument("--slots-model", default=None, help="default qwen3-next-48L (smoke qwen3-next-4L-i2)")
-    g.add_argument("--slot-counts", type=_ints, default=None, help="engines' slot counts (max batch), default 8,64 (smoke 2,8)")
+    g.add_argument(
+        "--slot-counts", type=_ints, default=None, help="engines' slot counts (max batch), default 8,64 (smoke 2,8)"
+    )
     g.add_argument("--slots-iters", type=int, default=None, help="timed runs per step, default 50 (smoke 2)")
     g = ap.add_argument_group("roofline")
     g.add_argument("--roofline-layers", type=int, default=None, help="default 8 (two 3:1 groups); dry run 4")
@@ -105,22 +126,41 @@ def _resolve(a) -> dict:
     return dict(
         model=d(a.model, "tiny", "tiny-2L"),
         forward_steps=d(a.forward_steps, ["prefill", "decode", "verify"], ["verify"]),
-        sections=a.sections or (["roofline"] if a.gpu else (["hf", "compile", "forwards", "gap", "slots", "roofline"] if smoke else ["hf", "compile", "forwards", "gap", "slots"])),
-        repeats=d(a.repeats, 7, 1), warmup=d(a.warmup, 2, 0), block=d(a.block, 8, 2),
-        prefill_lens=d(a.prefill_lens, [128, 512, 2048], [16]), ns=d(a.ns, [1, 4, 8], [1]), ks=d(a.ks, [2, 3, 4], [2]),
+        sections=a.sections
+        or (
+            ["roofline"]
+            if a.gpu
+            else (
+                ["hf", "compile", "forwards", "gap", "slots", "roofline"]
+                if smoke
+                else ["hf", "compile", "forwards", "gap", "slots"]
+            )
+        ),
+        repeats=d(a.repeats, 7, 1),
+        warmup=d(a.warmup, 2, 0),
+        block=d(a.block, 8, 2),
+        prefill_lens=d(a.prefill_lens, [128, 512, 2048], [16]),
+        ns=d(a.ns, [1, 4, 8], [1]),
+        ks=d(a.ks, [2, 3, 4], [2]),
         ctx=d(a.ctx, 128, 16),
-        compile_models=d(a.compile_models, ["tiny", "qwen3-next-48L"], ["qwen3-next-4L-i2"]), compile_steps=d(a.compile_steps, 50, 5),
-        compile_repeats=d(a.compile_repeats, 2, 1), isolate=not (a.no_isolate or smoke),
+        compile_models=d(a.compile_models, ["tiny", "qwen3-next-48L"], ["qwen3-next-4L-i2"]),
+        compile_steps=d(a.compile_steps, 50, 5),
+        compile_repeats=d(a.compile_repeats, 2, 1),
+        isolate=not (a.no_isolate or smoke),
         roofline_dry=dry or not a.gpu,
         roofline_layers=a.roofline_layers or (4 if dry or not a.gpu else 8),
         roofline_ctx=a.roofline_ctx or (24 if dry or not a.gpu else 2048),
-        roofline_decode_ns=a.roofline_decode_ns if a.roofline_decode_ns is not None else
-        ([] if smoke else [1] if dry or not a.gpu else [1, 8, 32]),
+        roofline_decode_ns=a.roofline_decode_ns
+        if a.roofline_decode_ns is not None
+        else ([] if smoke else [1] if dry or not a.gpu else [1, 8, 32]),
         roofline_verify_ns=a.roofline_verify_ns or ([2] if dry or not a.gpu else [8, 32]),
         roofline_k=a.roofline_k or (2 if dry or not a.gpu else 4),
         roofline_iters=a.roofline_iters or (1 if dry or not a.gpu else 20),
-        gaps_ms=d(a.gaps_ms, [0, 2, 8], [0, 1]), gap_calls=d(a.gap_calls, 40, 2), gap_rounds=d(a.gap_rounds, 3, 1),
-        slots_model=d(a.slots_model, "qwen3-next-48L", "qwen3-next-4L-i2"), slot_counts=d(a.slot_counts, [8, 64], [2, 8]),
+        gaps_ms=d(a.gaps_ms, [0, 2, 8], [0, 1]),
+        gap_calls=d(a.gap_calls, 40, 2),
+        gap_rounds=d(a.gap_rounds, 3, 1),
+        slots_model=d(a.slots_model, "qwen3-next-48L", "qwen3-next-4L-i2"),
+        slot_counts=d(a.slot_counts, [8, 64], [2, 8]),
         slots_iters=d(a.slots_iters, 50, 2),
         hf_create=not (a.no_hf_setup or smoke),
     )
@@ -135,16 +175,22 @@ def run(argv=None) -> dict:
     ap = parser()
     a = ap.parse_args(argv)
     if a.gpu and not a.dry_run and jax.default_backend() != "gpu":
-        ap.error(f"--gpu needs an NVIDIA GPU (default backend {jax.default_backend()!r}); "
-                 "`--gpu --dry-run` checks the same path with tiny shapes on any machine")
+        ap.error(
+            f"--gpu needs an NVIDIA GPU (default backend {jax.default_backend()!r}); "
+            "`--gpu --dry-run` checks the same path with tiny shapes on any machine"
+        )
     cfg = _resolve(a)
     unknown = set(cfg["sections"]) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     os.makedirs(a.workdir, exist_ok=True)
     info = machine_info()
-    info.update(threads=a.threads, xla_flags=os.environ.get("XLA_FLAGS", ""), argv=list(argv if argv is not None else sys.argv[1:]),
-                **{v.lower(): os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+    info.update(
+        threads=a.threads,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        argv=list(argv if argv is not None else sys.argv[1:]),
+        **{v.lower(): os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+    )
     results: dict = {"machine": info, "settings": {k: v for k, v in cfg.items()}, "sections": {}, "load": {}}
     tables, failed = [], []
 
@@ -170,10 +216,18 @@ def run(argv=None) -> dict:
         if "error" in res:
             table = f"== {name}: FAILED: {res['error']}"
         else:
-            table = {"hf": report.hf_table, "compile": report.compile_table, "forwards": report.forwards_table,
-                     "gap": report.gap_table, "slots": report.slots_table, "roofline": report.roofline_table}[name](res)
-        tables.append(f"{table}\n   (load average before/after: {before} / {results['load'][name]['after']}; "
-                      f"{res['wall_s']:.0f} s wall, {res['cpu_s']:.0f} s CPU in this process)")
+            table = {
+                "hf": report.hf_table,
+                "compile": report.compile_table,
+                "forwards": report.forwards_table,
+                "gap": report.gap_table,
+                "slots": report.slots_table,
+                "roofline": report.roofline_table,
+            }[name](res)
+        tables.append(
+            f"{table}\n   (load average before/after: {before} / {results['load'][name]['after']}; "
+            f"{res['wall_s']:.0f} s wall, {res['cpu_s']:.0f} s CPU in this process)"
+        )
     results["failed"] = failed
     save()
     out = "\n\n".join([report.machine_line(info), *tables])
@@ -192,37 +246,82 @@ def _section(name: str, cfg: dict, a) -> dict:
         if python is None:
             _log(f"HF comparison skipped: {why}")
             return {"skipped": why}
-        return vs_hf.run(cfg["model"], python, workdir=a.workdir, prefill_lens=cfg["prefill_lens"], ns=cfg["ns"], ks=cfg["ks"],
-                         ctx=cfg["ctx"], repeats=cfg["repeats"], warmup=cfg["warmup"], block=cfg["block"],
-                         threads=a.threads or None,
-                         impl=a.hf_impl, seed=a.seed)
+        return vs_hf.run(
+            cfg["model"],
+            python,
+            workdir=a.workdir,
+            prefill_lens=cfg["prefill_lens"],
+            ns=cfg["ns"],
+            ks=cfg["ks"],
+            ctx=cfg["ctx"],
+            repeats=cfg["repeats"],
+            warmup=cfg["warmup"],
+            block=cfg["block"],
+            threads=a.threads or None,
+            impl=a.hf_impl,
+            seed=a.seed,
+        )
     if name == "compile":
         from benchmarks import compile_cost
 
-        return compile_cost.run(cfg["compile_models"], cfg["compile_steps"], cfg["compile_repeats"], isolate=cfg["isolate"],
-                                log=lambda m: _log(m))
+        return compile_cost.run(
+            cfg["compile_models"],
+            cfg["compile_steps"],
+            cfg["compile_repeats"],
+            isolate=cfg["isolate"],
+            log=lambda m: _log(m),
+        )
     if name == "forwards":
         from benchmarks import forwards
 
-        return forwards.run(cfg["model"], prefill_len=max(cfg["prefill_lens"][0], 16), n=max(cfg["ns"]), k=max(cfg["ks"]),
-                            ctx=cfg["ctx"], repeats=cfg["repeats"], warmup=cfg["warmup"], seed=a.seed,
-                            steps=cfg["forward_steps"])
+        return forwards.run(
+            cfg["model"],
+            prefill_len=max(cfg["prefill_lens"][0], 16),
+            n=max(cfg["ns"]),
+            k=max(cfg["ks"]),
+            ctx=cfg["ctx"],
+            repeats=cfg["repeats"],
+            warmup=cfg["warmup"],
+            seed=a.seed,
+            steps=cfg["forward_steps"],
+        )
     if name == "gap":
         from benchmarks import idle_gap
 
-        return idle_gap.run(cfg["model"], n=max(cfg["ns"]), k=max(cfg["ks"]), ctx=cfg["ctx"],
-                            gaps=[ms / 1e3 for ms in cfg["gaps_ms"]], calls=cfg["gap_calls"], rounds=cfg["gap_rounds"],
-                            warmup=cfg["warmup"], seed=a.seed)
+        return idle_gap.run(
+            cfg["model"],
+            n=max(cfg["ns"]),
+            k=max(cfg["ks"]),
+            ctx=cfg["ctx"],
+            gaps=[ms / 1e3 for ms in cfg["gaps_ms"]],
+            calls=cfg["gap_calls"],
+            rounds=cfg["gap_rounds"],
+            warmup=cfg["warmup"],
+            seed=a.seed,
+        )
     if name == "slots":
         from benchmarks import slot_scaling
 
-        return slot_scaling.run(cfg["slots_model"], slot_counts=cfg["slot_counts"], ctx=cfg["ctx"], k=max(cfg["ks"]),
-                                iters=cfg["slots_iters"], seed=a.seed)
+        return slot_scaling.run(
+            cfg["slots_model"],
+            slot_counts=cfg["slot_counts"],
+            ctx=cfg["ctx"],
+            k=max(cfg["ks"]),
+            iters=cfg["slots_iters"],
+            seed=a.seed,
+        )
     from benchmarks import roofline
 
-    return roofline.run(dry_run=cfg["roofline_dry"], layers=cfg["roofline_layers"], ctx=cfg["roofline_ctx"],
-                        decode_ns=cfg["roofline_decode_ns"], verify_ns=cfg["roofline_verify_ns"], k=cfg["roofline_k"],
-                        iters=cfg["roofline_iters"], seed=a.seed)
+    return roofline.run(
+        dry_run=cfg["roofline_dry"],
+        layers=cfg["roofline_layers"],
+        ctx=cfg["roofline_ctx"],
+        decode_ns=cfg["roofline_decode_ns"],
+        verify_ns=cfg["roofline_verify_ns"],
+        k=cfg["roofline_k"],
+        iters=cfg["roofline_iters"],
+        seed=a.seed,
+    )
 
 
 def main(argv=None) -> int:

@@ -57,8 +57,15 @@ class ProgramTimer:
         programs.run = run
 
 
-def ragged_verify_loop(engine: Engine, prompts, steps: int, *, warmup: int = 3, counter: CompileCounter | None = None,
-                       max_len: int | None = None) -> dict:
+def ragged_verify_loop(
+    engine: Engine,
+    prompts,
+    steps: int,
+    *,
+    warmup: int = 3,
+    counter: CompileCounter | None = None,
+    max_len: int | None = None,
+) -> dict:
     """Prefill `prompts`, then `steps` speculative steps over them: propose (MTP), verify with
     ragged K, stash the accepted rows' hiddens, fold, rewind, commit. Acceptances are forced
     ((step + i) % K), so the loop exercises partial, zero and full acceptance. A sequence past
@@ -122,7 +129,9 @@ def measure(model_name: str, layout: str, steps: int, *, num_drafts: int = 3, se
     prompts = [rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for _ in range(N_SEQS)]
     with CompileCounter() as counter:
         t0 = time.perf_counter()
-        engine = Engine(cfg, params, models.settings(max_batch_size=4, max_seq_len=256, speculative=True, num_drafts=num_drafts))
+        engine = Engine(
+            cfg, params, models.settings(max_batch_size=4, max_seq_len=256, speculative=True, num_drafts=num_drafts)
+        )
         if layout == "unrolled":
             engine.params = params
         init_s = time.perf_counter() - t0
@@ -174,34 +183,59 @@ def run(models_: list[str], steps: int, repeats: int, *, isolate: bool = True, l
         order = cases if r % 2 == 0 else list(reversed(cases))
         for m, layout in order:
             res = _isolated(m, layout, steps) if isolate else measure(m, layout, steps)
-            log(f"compile {m} {res['layout']}: first step after {res['time_to_first_step_s']:.1f} s, "
-                f"{res['compilations']} compilations, {res['recompiles_after_warmup']} after warm-up")
+            log(
+                f"compile {m} {res['layout']}: first step after {res['time_to_first_step_s']:.1f} s, "
+                f"{res['compilations']} compilations, {res['recompiles_after_warmup']} after warm-up"
+            )
             results[(m, layout)].append(res)
     rows = []
     for (m, layout), runs in results.items():
-        summary = {k: Stats.of([x[k] for x in runs]).__dict__ for k in ("time_to_first_step_s", "engine_init_s", "prefill_first_s", "first_step_s")}
+        summary = {
+            k: Stats.of([x[k] for x in runs]).__dict__
+            for k in ("time_to_first_step_s", "engine_init_s", "prefill_first_s", "first_step_s")
+        }
         prog = {}
         for x in runs:
             for p in x["programs"]:
                 prog.setdefault(p["name"], []).append(p["compile_s"])
-        rows.append({
-            "model": m, "layout": runs[0]["layout"], "layers": runs[0]["layers"], "groups": runs[0]["groups"],
-            "compilations": sorted({x["compilations"] for x in runs}),
-            "recompiles_after_warmup": max(x["recompiles_after_warmup"] for x in runs),
-            "backend_compiles_after_warmup": max(x["backend_compiles_after_warmup"] or 0 for x in runs),
-            "steady_step_ms": 1e3 * Stats.of([x["steady_step"]["median"] for x in runs]).median,
-            "program_compile_s": {k: Stats.of(v).__dict__ for k, v in prog.items()},
-            **summary,
-            "runs": runs,
-        })
+        rows.append(
+            {
+                "model": m,
+                "layout": runs[0]["layout"],
+                "layers": runs[0]["layers"],
+                "groups": runs[0]["groups"],
+                "compilations": sorted({x["compilations"] for x in runs}),
+                "recompiles_after_warmup": max(x["recompiles_after_warmup"] for x in runs),
+                "backend_compiles_after_warmup": max(x["backend_compiles_after_warmup"] or 0 for x in runs),
+                "steady_step_ms": 1e3 * Stats.of([x["steady_step"]["median"] for x in runs]).median,
+                "program_compile_s": {k: Stats.of(v).__dict__ for k, v in prog.items()},
+                **summary,
+                "runs": runs,
+            }
+        )
     return {"steps": steps, "repeats": repeats, "isolated": isolate, "cases": rows}
 
 
 def _isolated(model_name: str, layout: str, steps: int) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", "--model", model_name, "--layout", layout,
-                        "--steps", str(steps)], capture_output=True, text=True, cwd=root, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.compile_cost",
+            "--model",
+            model_name,
+            "--layout",
+            layout,
+            "--steps",
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"compile case {model_name}/{layout} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -17,19 +17,36 @@ import sys
 import numpy as np
 
 from benchmarks import models
-from kernels_pallas.ops import PallasOps
 from benchmarks.steps import StepBench, max_seq_len_for
 from benchmarks.timing import paired
+from kernels_pallas.ops import PallasOps
 
 
-def run(model_name: str, *, prefill_len: int, n: int, k: int, ctx: int, repeats: int, warmup: int, seed: int = 0,
-        steps=("prefill", "decode", "verify")) -> dict:
+def run(
+    model_name: str,
+    *,
+    prefill_len: int,
+    n: int,
+    k: int,
+    ctx: int,
+    repeats: int,
+    warmup: int,
+    seed: int = 0,
+    steps=("prefill", "decode", "verify"),
+) -> dict:
     cfg, params = models.model(model_name)
     rng = np.random.default_rng(seed)
     rand = lambda *shape: rng.integers(0, cfg.vocab_size, size=shape).tolist()  # noqa: E731
     max_seq_len = max_seq_len_for(max(prefill_len, ctx + k + 2))
-    bench = StepBench(cfg, params, max_batch=2 * n + 1, max_seq_len=max_seq_len, speculative=True, num_drafts=k - 1,
-                      mtp_k_ladder=f"{2 * n + 1}:{k - 1}")  # every slot may verify K rows
+    bench = StepBench(
+        cfg,
+        params,
+        max_batch=2 * n + 1,
+        max_seq_len=max_seq_len,
+        speculative=True,
+        num_drafts=k - 1,
+        mtp_k_ladder=f"{2 * n + 1}:{k - 1}",
+    )  # every slot may verify K rows
     eng = bench.engine
     # Two identical contexts: each forward's first call sees the same state (a decode step
     # advances the GDN state; only its length is rewound).
@@ -53,22 +70,32 @@ def run(model_name: str, *, prefill_len: int, n: int, k: int, ctx: int, repeats:
             first[(name, fwd)], logits[(name, fwd)] = calls[name](fwd)
     out = []
     for name in steps:
+
         def on(fwd, call=calls[name]):
             def go():
                 eng.set_forward(fwd)
                 return call("xla")[0]
+
             return go
 
         pal, xla, ratio = paired(on("pallas"), on("xla"), repeats, warmup)
         diff = float(np.abs(np.asarray(logits[(name, "pallas")]) - np.asarray(logits[(name, "xla")])).max())
         row = {
-            "step": name, "n": shapes[name][0], "t": shapes[name][1],
-            "pallas": pal.__dict__, "xla": xla.__dict__, "ratio": ratio.__dict__,
+            "step": name,
+            "n": shapes[name][0],
+            "t": shapes[name][1],
+            "pallas": pal.__dict__,
+            "xla": xla.__dict__,
+            "ratio": ratio.__dict__,
             "ratio_of_medians": pal.median / xla.median,
-            "first_call_s": {f: first[(name, f)] for f in ("pallas", "xla")}, "max_abs_diff": diff,
+            "first_call_s": {f: first[(name, f)] for f in ("pallas", "xla")},
+            "max_abs_diff": diff,
         }
-        print(f"[bench forwards] {name}: pallas {pal.ms()} ms, xla {xla.ms()} ms, ratio {row['ratio_of_medians']:.2f}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[bench forwards] {name}: pallas {pal.ms()} ms, xla {xla.ms()} ms, ratio {row['ratio_of_medians']:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
         out.append(row)
     eng.set_forward("xla")
     return {

@@ -53,10 +53,30 @@ CASES = (
     Case("verify 397B", "gdn_rows", dict(b=32, t=4, hk=16, h=64, d=128), dict(b=2, t=4, hk=1, h=4, d=16)),
     Case("prefill 35B", "gdn_chunk", dict(b=1, t=4096, hk=16, h=32, d=128), dict(b=1, t=130, hk=2, h=4, d=16)),
     Case("prefill 397B ragged", "gdn_chunk", dict(b=2, t=1000, hk=16, h=64, d=128), dict(b=2, t=100, hk=1, h=4, d=16)),
-    Case("decode 16:2 d256", "attention", dict(b=32, t=1, h=16, kvh=2, d=256, bs=16, ctx=4096), dict(b=2, t=1, h=4, kvh=2, d=16, bs=4, ctx=64)),
-    Case("verify 16:2 d256", "attention", dict(b=32, t=4, h=16, kvh=2, d=256, bs=16, ctx=4096), dict(b=2, t=4, h=4, kvh=2, d=16, bs=4, ctx=64)),
-    Case("verify 8:1 d128", "attention", dict(b=32, t=4, h=8, kvh=1, d=128, bs=16, ctx=4096), dict(b=2, t=4, h=8, kvh=1, d=16, bs=4, ctx=64)),
-    Case("prefill chunk 16:2", "attention", dict(b=2, t=512, h=16, kvh=2, d=256, bs=16, ctx=4096), dict(b=2, t=20, h=4, kvh=2, d=16, bs=4, ctx=64)),
+    Case(
+        "decode 16:2 d256",
+        "attention",
+        dict(b=32, t=1, h=16, kvh=2, d=256, bs=16, ctx=4096),
+        dict(b=2, t=1, h=4, kvh=2, d=16, bs=4, ctx=64),
+    ),
+    Case(
+        "verify 16:2 d256",
+        "attention",
+        dict(b=32, t=4, h=16, kvh=2, d=256, bs=16, ctx=4096),
+        dict(b=2, t=4, h=4, kvh=2, d=16, bs=4, ctx=64),
+    ),
+    Case(
+        "verify 8:1 d128",
+        "attention",
+        dict(b=32, t=4, h=8, kvh=1, d=128, bs=16, ctx=4096),
+        dict(b=2, t=4, h=8, kvh=1, d=16, bs=4, ctx=64),
+    ),
+    Case(
+        "prefill chunk 16:2",
+        "attention",
+        dict(b=2, t=512, h=16, kvh=2, d=256, bs=16, ctx=4096),
+        dict(b=2, t=20, h=4, kvh=2, d=16, bs=4, ctx=64),
+    ),
 )
 
 
@@ -82,7 +102,14 @@ def abstract_args(case: Case, shape: dict) -> tuple:
         return sds((b, t, h, d), jnp.bfloat16), pool, pool, sds((b, mb), jnp.int32), sds((b, t), jnp.int32)
     b, t, hk, h, d = (shape[k] for k in ("b", "t", "hk", "h", "d"))
     f32 = jnp.float32
-    return sds((b, t, hk, d), f32), sds((b, t, hk, d), f32), sds((b, t, h, d), f32), sds((b, t, h), f32), sds((b, t, h), f32), sds((b, h, d, d), f32)
+    return (
+        sds((b, t, hk, d), f32),
+        sds((b, t, hk, d), f32),
+        sds((b, t, h, d), f32),
+        sds((b, t, h), f32),
+        sds((b, t, h), f32),
+        sds((b, h, d, d), f32),
+    )
 
 
 def supported(case: Case, shape: dict, backend: str) -> str | None:
@@ -149,7 +176,9 @@ def _attention(case: Case, shape: dict, rng, interpret: bool):
     b, t, h, kvh, d, bs, mb, nb = _attention_dims(shape)
     ctx = mb * bs
     starts = [int(s) for s in rng.integers(ctx // 2, ctx - t + 1, b)]  # ragged context lengths
-    q, kc, vc, tables, positions = testing.attention_inputs(rng, ml_dtypes.bfloat16, b=b, t=t, h=h, kvh=kvh, d=d, bs=bs, nb=nb, mb=mb, starts=starts)
+    q, kc, vc, tables, positions = testing.attention_inputs(
+        rng, ml_dtypes.bfloat16, b=b, t=t, h=h, kvh=kvh, d=d, bs=bs, nb=nb, mb=mb, starts=starts
+    )
     scale = d**-0.5
     kernel = jax.jit(lambda *a: attn_api.paged_attention(*a, scale, interpret=interpret))
     ref = jax.jit(lambda *a: attn_api.paged_attention(*a, scale, implementation="reference"))
@@ -191,7 +220,9 @@ def run_case(case: Case, *, dry_run: bool, iters: int, bandwidth: float, seed: i
 
 def format_table(rows: list[Row], bandwidth: float, header: str) -> str:
     lines = [header, f"HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s (floor = bytes moved / that)"]
-    lines.append(f"{'case':<22}{'kernel':<11}{'ms':>9}{'ref ms':>9}{'floor ms':>10}{'x floor':>9}{'err':>10}{'ref err':>10}  result")
+    lines.append(
+        f"{'case':<22}{'kernel':<11}{'ms':>9}{'ref ms':>9}{'floor ms':>10}{'x floor':>9}{'err':>10}{'ref err':>10}  result"
+    )
     for r in rows:
         result = "ok" if r.ok else "FAIL"
         lines.append(
@@ -216,7 +247,10 @@ def main(argv=None) -> int:
     if not cases:
         parser.error(f"no case matches --only {args.only!r}")
     bandwidth = measure_bandwidth(2**20 if args.dry_run else 2**31, iters)
-    rows = [run_case(c, dry_run=args.dry_run, iters=iters, bandwidth=bandwidth, seed=args.seed + i) for i, c in enumerate(cases)]
+    rows = [
+        run_case(c, dry_run=args.dry_run, iters=iters, bandwidth=bandwidth, seed=args.seed + i)
+        for i, c in enumerate(cases)
+    ]
     device = jax.devices()[0]
     header = f"gpu_check: jax {jax.__version__}, {device.device_kind} ({backend}){', DRY RUN (interpreter, tiny shapes)' if args.dry_run else ''}"
     print(format_table(rows, bandwidth, header))

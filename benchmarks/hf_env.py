@@ -74,7 +74,13 @@ class HFClient:
         self._err = open(stderr_path, "w")
         self.stderr_path = stderr_path
         self.proc = subprocess.Popen(
-            [python, DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True, env=env, cwd=ROOT
+            [python, DRIVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            env=env,
+            cwd=ROOT,
         )
 
     def call(self, op: str, **fields) -> dict:

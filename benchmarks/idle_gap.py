@@ -22,11 +22,20 @@ from benchmarks import models
 from benchmarks.steps import StepBench, max_seq_len_for
 
 
-def run(model_name: str, *, n: int, k: int, ctx: int, gaps, calls: int, rounds: int, warmup: int, seed: int = 0) -> dict:
+def run(
+    model_name: str, *, n: int, k: int, ctx: int, gaps, calls: int, rounds: int, warmup: int, seed: int = 0
+) -> dict:
     cfg, params = models.model(model_name)
     rng = np.random.default_rng(seed)
-    bench = StepBench(cfg, params, max_batch=n, max_seq_len=max_seq_len_for(ctx + k), speculative=True,
-                      num_drafts=k - 1, mtp_k_ladder=f"{n}:{k - 1}")
+    bench = StepBench(
+        cfg,
+        params,
+        max_batch=n,
+        max_seq_len=max_seq_len_for(ctx + k),
+        speculative=True,
+        num_drafts=k - 1,
+        mtp_k_ladder=f"{n}:{k - 1}",
+    )
     bench.context("c", rng.integers(0, cfg.vocab_size, size=(n, ctx)).tolist())
     rows = rng.integers(0, cfg.vocab_size, size=(n, k)).tolist()
     for _ in range(warmup + 1):
@@ -41,6 +50,11 @@ def run(model_name: str, *, n: int, k: int, ctx: int, gaps, calls: int, rounds: 
                 secs.append(bench.verify("c", rows)[0])
             medians[g].append(statistics.median(secs))
     return {
-        "model": model_name, "n": n, "k": k, "context_tokens": ctx, "calls": calls, "rounds": rounds,
+        "model": model_name,
+        "n": n,
+        "k": k,
+        "context_tokens": ctx,
+        "calls": calls,
+        "rounds": rounds,
         "gaps": [{"gap_s": g, "best_median_s": min(m), "round_medians_s": m} for g, m in medians.items()],
     }

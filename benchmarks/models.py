@@ -42,8 +42,12 @@ def qwen35_stack(layers: int = 4, tiny: bool = False) -> ModelConfig:
     (3 GDN : 1 attention). tiny: the same pattern at the tiny preset's widths (dry runs)."""
     if tiny:
         return TINY.replace(
-            model_type="qwen3_5_moe_text", num_hidden_layers=layers, layer_types=interval_pattern(layers),
-            mlp_only_layers=(), weight_layout="qwen3_5", trunk_prefix="model.language_model",
+            model_type="qwen3_5_moe_text",
+            num_hidden_layers=layers,
+            layer_types=interval_pattern(layers),
+            mlp_only_layers=(),
+            weight_layout="qwen3_5",
+            trunk_prefix="model.language_model",
             linear_key_head_dim=TINY.linear_value_head_dim,  # dk = dv, as in the release (gpu_check's kernel cases assume it)
         )
     return ModelConfig(

@@ -26,10 +26,12 @@ def _inv_q(s: dict) -> str:
 
 def machine_line(m: dict) -> str:
     load = m.get("load_average_1_5_15") or []
-    return (f"machine: {m.get('cpu_count')} cores, load average {'/'.join(str(x) for x in load)} (1/5/15 min), "
-            f"jax {m.get('jax')} on {m.get('backend')}, threads per side {m.get('threads', 'default')}"
-            + (f", JAX on cpu {m['jax_cpus']} / HF on cpu {m['hf_cpu']}" if m.get("hf_cpu") is not None else "")
-            + f", {m.get('time')}")
+    return (
+        f"machine: {m.get('cpu_count')} cores, load average {'/'.join(str(x) for x in load)} (1/5/15 min), "
+        f"jax {m.get('jax')} on {m.get('backend')}, threads per side {m.get('threads', 'default')}"
+        + (f", JAX on cpu {m['jax_cpus']} / HF on cpu {m['hf_cpu']}" if m.get("hf_cpu") is not None else "")
+        + f", {m.get('time')}"
+    )
 
 
 def hf_table(r: dict) -> str:
@@ -82,9 +84,14 @@ def compile_table(r: dict) -> str:
     for (m, layout), c in by.items():
         if layout == "scan" and (m, "unrolled") in by:
             u = by[(m, "unrolled")]
-            lines.append(f"   {m}: unrolled/scan time to first step {u['time_to_first_step_s']['median'] / c['time_to_first_step_s']['median']:.2f}x; "
-                         + ", ".join(f"{p} compile {u['program_compile_s'][p]['median']:.1f} s -> {c['program_compile_s'][p]['median']:.1f} s"
-                                     for p in ("prefill_chunk", "step_rows", "propose") if p in c["program_compile_s"] and p in u["program_compile_s"]))
+            lines.append(
+                f"   {m}: unrolled/scan time to first step {u['time_to_first_step_s']['median'] / c['time_to_first_step_s']['median']:.2f}x; "
+                + ", ".join(
+                    f"{p} compile {u['program_compile_s'][p]['median']:.1f} s -> {c['program_compile_s'][p]['median']:.1f} s"
+                    for p in ("prefill_chunk", "step_rows", "propose")
+                    if p in c["program_compile_s"] and p in u["program_compile_s"]
+                )
+            )
     return "\n".join(lines)
 
 
@@ -115,7 +122,9 @@ def gap_table(r: dict) -> str:
     ]
     for g in r["gaps"]:
         rounds = " ".join(f"{1e3 * x:.3f}" for x in g["round_medians_s"])
-        lines.append(f"{1e3 * g['gap_s']:>7.0f}{1e3 * g['best_median_s']:>9.3f}{g['best_median_s'] / base:>9.2f}  {rounds}")
+        lines.append(
+            f"{1e3 * g['gap_s']:>7.0f}{1e3 * g['best_median_s']:>9.3f}{g['best_median_s'] / base:>9.2f}  {rounds}"
+        )
     return "\n".join(lines)
 
 
@@ -128,9 +137,11 @@ def slots_table(r: dict) -> str:
     ]
     for row in r["rows"]:
         copies = sum(row["pool_copies"].values())
-        lines.append(f"{row['slots']:>6}{row['gdn_state_bytes'] / 1e6:>14.2f}{1e3 * row['decode_s']:>11.3f}"
-                     f"{row['decode_s'] / base['decode_s']:>9.2f}{1e3 * row['verify_s']:>11.3f}"
-                     f"{row['verify_s'] / base['verify_s']:>9.2f}  {copies}")
+        lines.append(
+            f"{row['slots']:>6}{row['gdn_state_bytes'] / 1e6:>14.2f}{1e3 * row['decode_s']:>11.3f}"
+            f"{row['decode_s'] / base['decode_s']:>9.2f}{1e3 * row['verify_s']:>11.3f}"
+            f"{row['verify_s'] / base['verify_s']:>9.2f}  {copies}"
+        )
     return "\n".join(lines)
 
 
@@ -152,7 +163,9 @@ def roofline_table(r: dict) -> str:
             f"{s['floor_impl_ms']:>12.3f}{s['x_floor_must']:>8.1f}{s['x_floor_impl']:>8.1f}{b['weights_must'] / 1e6:>12.1f}"
             f"{b['state'] / 1e6:>10.2f}{b['kv'] / 1e6:>9.2f}{b['logits'] / 1e6:>10.2f}"
         )
-    lines.append(f"{'  kernel (per layer)':<28}{'shape':<44}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'x layers':>9}{'ms/step':>9}  result")
+    lines.append(
+        f"{'  kernel (per layer)':<28}{'shape':<44}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'x layers':>9}{'ms/step':>9}  result"
+    )
     for s in r["steps"]:
         for k in s["kernels"]:
             shape = ",".join(f"{a}={v}" for a, v in k["shape"].items())

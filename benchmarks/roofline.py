@@ -96,18 +96,27 @@ def step_bytes(cfg, settings, *, n: int, t: int, ctx: int, verify: bool, drafter
     total_ideal = w_ideal + state + kv + logits
     total_impl = w_impl + state + kv + logits
     return {
-        "weights_must": w_ideal, "weights_impl": w_impl, "state": state, "kv": kv, "logits": logits,
-        "total_must": total_ideal, "total_impl": total_impl,
+        "weights_must": w_ideal,
+        "weights_impl": w_impl,
+        "state": state,
+        "kv": kv,
+        "logits": logits,
+        "total_must": total_ideal,
+        "total_impl": total_impl,
         "experts_hit_per_layer": expected_experts(cfg.num_experts, cfg.num_experts_per_tok, rows),
     }
 
 
-def _kernel_rows(cfg, *, n: int, t: int, ctx: int, block_size: int, dry_run: bool, iters: int, bandwidth: float, seed: int):
+def _kernel_rows(
+    cfg, *, n: int, t: int, ctx: int, block_size: int, dry_run: bool, iters: int, bandwidth: float, seed: int
+):
     """gpu_check rows for this step's GDN-rows and attention kernels (shapes of one layer)."""
     d = cfg.linear_key_head_dim
     span = block_size * (-(-(ctx + t) // block_size) + 1)
     gdn = dict(b=n, t=t, hk=cfg.linear_num_key_heads, h=cfg.linear_num_value_heads, d=d)
-    att = dict(b=n, t=t, h=cfg.num_attention_heads, kvh=cfg.num_key_value_heads, d=cfg.head_dim, bs=block_size, ctx=span)
+    att = dict(
+        b=n, t=t, h=cfg.num_attention_heads, kvh=cfg.num_key_value_heads, d=cfg.head_dim, bs=block_size, ctx=span
+    )
     out = []
     for name, kernel, shape, per_step in (
         ("gdn_rows", "gdn_rows", gdn, cfg.num_linear_layers),
@@ -115,14 +124,37 @@ def _kernel_rows(cfg, *, n: int, t: int, ctx: int, block_size: int, dry_run: boo
     ):
         case = gpu_check.Case(f"{name} n{n} t{t}", kernel, shape, shape)
         row = gpu_check.run_case(case, dry_run=dry_run, iters=iters, bandwidth=bandwidth, seed=seed)
-        out.append({"kernel": name, "layers_per_step": per_step, "shape": shape, "ms": row.ms, "ref_ms": row.ref_ms,
-                    "floor_ms": row.floor_ms, "x_floor": row.ms / row.floor_ms if row.floor_ms else float("nan"),
-                    "per_step_ms": row.ms * per_step, "ok": row.ok, "err": row.err, "note": row.note})
+        out.append(
+            {
+                "kernel": name,
+                "layers_per_step": per_step,
+                "shape": shape,
+                "ms": row.ms,
+                "ref_ms": row.ref_ms,
+                "floor_ms": row.floor_ms,
+                "x_floor": row.ms / row.floor_ms if row.floor_ms else float("nan"),
+                "per_step_ms": row.ms * per_step,
+                "ok": row.ok,
+                "err": row.err,
+                "note": row.note,
+            }
+        )
     return out
 
 
-def run(*, dry_run: bool, layers: int, ctx: int, decode_ns, verify_ns, k: int, iters: int, seed: int = 0,
-        forward: str = "pallas", log=None) -> dict:
+def run(
+    *,
+    dry_run: bool,
+    layers: int,
+    ctx: int,
+    decode_ns,
+    verify_ns,
+    k: int,
+    iters: int,
+    seed: int = 0,
+    forward: str = "pallas",
+    log=None,
+) -> dict:
     log = log or (lambda m: print(f"[bench roofline] {m}", file=sys.stderr, flush=True))
     cfg = models.qwen35_stack(layers, tiny=dry_run)
     dtype = jnp.bfloat16
@@ -130,12 +162,24 @@ def run(*, dry_run: bool, layers: int, ctx: int, decode_ns, verify_ns, k: int, i
     block_size = 16
     max_batch = max([*decode_ns, *verify_ns])
     max_seq_len = max_seq_len_for(ctx + k + 1, block_size)
-    bench = StepBench(cfg, params, max_batch=max_batch, max_seq_len=max_seq_len, speculative=True, num_drafts=k - 1,
-                      forward=forward, kv_cache_dtype="bf16", block_size=block_size, max_prefill_tokens=min(ctx, 2048),
-                      mtp_k_ladder=f"{max(max_batch, 1)}:{k - 1}")
+    bench = StepBench(
+        cfg,
+        params,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        speculative=True,
+        num_drafts=k - 1,
+        forward=forward,
+        kv_cache_dtype="bf16",
+        block_size=block_size,
+        max_prefill_tokens=min(ctx, 2048),
+        mtp_k_ladder=f"{max(max_batch, 1)}:{k - 1}",
+    )
     eng = bench.engine
     bandwidth = gpu_check.measure_bandwidth(2**20 if dry_run else 2**31, max(iters, 3))
-    log(f"bandwidth {bandwidth / 1e9:.1f} GB/s; model {layers} layers, {'tiny width (dry run)' if dry_run else 'Qwen3.5-35B-A3B width'}")
+    log(
+        f"bandwidth {bandwidth / 1e9:.1f} GB/s; model {layers} layers, {'tiny width (dry run)' if dry_run else 'Qwen3.5-35B-A3B width'}"
+    )
     rng = np.random.default_rng(seed)
     rand = lambda *shape: rng.integers(0, cfg.vocab_size, size=shape).tolist()  # noqa: E731
     steps = []
@@ -147,18 +191,48 @@ def run(*, dry_run: bool, layers: int, ctx: int, decode_ns, verify_ns, k: int, i
             dev, _ = DeviceStep.capture(eng, call)  # compiles; captures the step program
             engine_ms = 1e3 * float(np.median([call()[0] for _ in range(iters)]))
             device_ms = 1e3 * dev.time(iters)
-            by = step_bytes(cfg, eng.settings, n=n, t=t, ctx=ctx, verify=kind == "verify", drafter=eng.drafter,
-                            weight_bytes=jnp.dtype(dtype).itemsize)
+            by = step_bytes(
+                cfg,
+                eng.settings,
+                n=n,
+                t=t,
+                ctx=ctx,
+                verify=kind == "verify",
+                drafter=eng.drafter,
+                weight_bytes=jnp.dtype(dtype).itemsize,
+            )
             floor_must = 1e3 * by["total_must"] / bandwidth
             floor_impl = 1e3 * by["total_impl"] / bandwidth
-            kernels = _kernel_rows(cfg, n=n, t=t, ctx=ctx, block_size=block_size, dry_run=dry_run, iters=iters,
-                                   bandwidth=bandwidth, seed=seed)
-            row = {"step": kind, "n": n, "t": t, "ctx": ctx, "device_ms": device_ms, "engine_ms": engine_ms,
-                   "floor_must_ms": floor_must, "floor_impl_ms": floor_impl, "x_floor_must": device_ms / floor_must,
-                   "x_floor_impl": device_ms / floor_impl, "bytes": by, "kernels": kernels,
-                   "kernels_ms": sum(r["per_step_ms"] for r in kernels)}
-            log(f"{kind} n={n} t={t}: device {device_ms:.3f} ms, floor {floor_must:.3f} ms (impl {floor_impl:.3f}), "
-                f"x{row['x_floor_must']:.1f}")
+            kernels = _kernel_rows(
+                cfg,
+                n=n,
+                t=t,
+                ctx=ctx,
+                block_size=block_size,
+                dry_run=dry_run,
+                iters=iters,
+                bandwidth=bandwidth,
+                seed=seed,
+            )
+            row = {
+                "step": kind,
+                "n": n,
+                "t": t,
+                "ctx": ctx,
+                "device_ms": device_ms,
+                "engine_ms": engine_ms,
+                "floor_must_ms": floor_must,
+                "floor_impl_ms": floor_impl,
+                "x_floor_must": device_ms / floor_must,
+                "x_floor_impl": device_ms / floor_impl,
+                "bytes": by,
+                "kernels": kernels,
+                "kernels_ms": sum(r["per_step_ms"] for r in kernels),
+            }
+            log(
+                f"{kind} n={n} t={t}: device {device_ms:.3f} ms, floor {floor_must:.3f} ms (impl {floor_impl:.3f}), "
+                f"x{row['x_floor_must']:.1f}"
+            )
             steps.append(row)
             bench.free_context("c")
     return {
@@ -167,9 +241,22 @@ def run(*, dry_run: bool, layers: int, ctx: int, decode_ns, verify_ns, k: int, i
         "backend": jax.default_backend(),
         "forward": forward,
         "layers": layers,
-        "config": {k_: getattr(cfg, k_) for k_ in ("hidden_size", "vocab_size", "num_experts", "num_experts_per_tok",
-                                                    "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
-                                                    "linear_key_head_dim", "num_attention_heads", "num_key_value_heads", "head_dim")},
+        "config": {
+            k_: getattr(cfg, k_)
+            for k_ in (
+                "hidden_size",
+                "vocab_size",
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+            )
+        },
         "layer_types": [("attn" if x == FULL else "gdn") for x in cfg.layer_types],
         "weights_dtype": "bfloat16",
         "kv_dtype": "bf16",

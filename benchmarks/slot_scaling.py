@@ -24,15 +24,26 @@ def run(model_name: str, *, slot_counts, ctx: int, k: int, iters: int, seed: int
     rows = rng.integers(0, cfg.vocab_size, size=(1, k)).tolist()
     out = []
     for slots in slot_counts:
-        bench = StepBench(cfg, params, max_batch=slots, max_seq_len=max_seq_len_for(ctx + k), speculative=True,
-                          num_drafts=k - 1, mtp_k_ladder=f"{slots}:{k - 1}")
+        bench = StepBench(
+            cfg,
+            params,
+            max_batch=slots,
+            max_seq_len=max_seq_len_for(ctx + k),
+            speculative=True,
+            num_drafts=k - 1,
+            mtp_k_ladder=f"{slots}:{k - 1}",
+        )
         bench.context("c", prompt)
         decode_s = DeviceStep.capture(bench.engine, lambda: bench.decode("c", rows[0][:1]))[0].time(iters)
         verify_s = DeviceStep.capture(bench.engine, lambda: bench.verify("c", rows))[0].time(iters)
         trunk = bench.engine.pool.trunk
-        out.append({
-            "slots": slots, "decode_s": decode_s, "verify_s": verify_s,
-            "gdn_state_bytes": int(trunk.gdn_h.nbytes + trunk.gdn_conv.nbytes),
-            "pool_copies": {i.name: i.pool_copies for i in bench.engine.programs.info.values()},
-        })
+        out.append(
+            {
+                "slots": slots,
+                "decode_s": decode_s,
+                "verify_s": verify_s,
+                "gdn_state_bytes": int(trunk.gdn_h.nbytes + trunk.gdn_conv.nbytes),
+                "pool_copies": {i.name: i.pool_copies for i in bench.engine.programs.info.values()},
+            }
+        )
     return {"model": model_name, "context_tokens": ctx, "k": k, "iters": iters, "rows": out}

@@ -15,7 +15,7 @@ Every timing includes the host copy of the logits (`np.asarray`), hence the devi
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -34,11 +34,22 @@ class StepBench:
     """An engine for the timed steps. speculative engines verify K = num_drafts + 1 rows per
     sequence (the engine pads every verify to K_max; one engine per K keeps the work exact)."""
 
-    def __init__(self, cfg, params, *, max_batch: int, max_seq_len: int, speculative: bool = False,
-                 num_drafts: int = 1, forward: str = "xla", **flags):
+    def __init__(
+        self,
+        cfg,
+        params,
+        *,
+        max_batch: int,
+        max_seq_len: int,
+        speculative: bool = False,
+        num_drafts: int = 1,
+        forward: str = "xla",
+        **flags,
+    ):
         spec = dict(speculative=True, num_drafts=num_drafts) if speculative else {}
-        self.engine = Engine(cfg, params, settings(max_batch_size=max_batch, max_seq_len=max_seq_len, **spec, **flags),
-                             forward=forward)
+        self.engine = Engine(
+            cfg, params, settings(max_batch_size=max_batch, max_seq_len=max_seq_len, **spec, **flags), forward=forward
+        )
         self.contexts: dict[str, list] = {}
 
     # ------------------------------------------------------------ prefill

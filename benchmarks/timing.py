@@ -15,7 +15,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.monitoring
@@ -33,7 +33,7 @@ class Stats:
     p75: float
 
     @classmethod
-    def of(cls, xs: Sequence[float]) -> "Stats":
+    def of(cls, xs: Sequence[float]) -> Stats:
         xs = sorted(float(x) for x in xs)
         if not xs:
             nan = float("nan")

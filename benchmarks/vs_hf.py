@@ -73,8 +73,22 @@ def _diff(a, b) -> tuple[float, float]:
     return float(np.abs(a - b).max()), float(np.abs(b).max())
 
 
-def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, ctx: int, repeats: int,
-        warmup: int, block: int, threads: int | None = None, impl: str = "default", seed: int = 0) -> dict:
+def run(
+    model_name: str,
+    hf_python: str,
+    *,
+    workdir: str,
+    prefill_lens,
+    ns,
+    ks,
+    ctx: int,
+    repeats: int,
+    warmup: int,
+    block: int,
+    threads: int | None = None,
+    impl: str = "default",
+    seed: int = 0,
+) -> dict:
     """Every case of the section; returns {"hf": driver facts, "cases": [...], "model": ...}.
     block: consecutive calls per side in each of the `repeats` rounds of the back-to-back timing."""
     cfg, params = models.model(model_name)
@@ -98,16 +112,22 @@ def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, 
 
         def pair(kind, n, t, bench, jax_call, hf_req):
             dev, (jax_first, jax_logits) = DeviceStep.capture(
-                bench.engine, jax_call, "prefill_chunk" if kind == "prefill" else "step_rows")
+                bench.engine, jax_call, "prefill_chunk" if kind == "prefill" else "step_rows"
+            )
             hf_logits = hf.call(**hf_req, logits=True)["logits"]
             diff, scale = _diff(jax_logits, hf_logits)
             js, hs, rs = paired(lambda: jax_call()[0], lambda: hf.call(**hf_req)["seconds"], repeats, warmup)
-            jb, hb, rb = back_to_back(lambda: [jax_call()[0] for _ in range(block)],
-                                      lambda: hf.call(**hf_req, repeat=block)["seconds_each"], repeats)
+            jb, hb, rb = back_to_back(
+                lambda: [jax_call()[0] for _ in range(block)],
+                lambda: hf.call(**hf_req, repeat=block)["seconds_each"],
+                repeats,
+            )
             device_s = dev.time(max(repeats, 1))
             case = HFCase(kind, n, t, js, hs, rs, jb, hb, rb, jax_first, device_s, diff, scale)
-            _log(f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}; back to back "
-                 f"jax {jb.ms()} ms, hf {hb.ms()} ms; |dlogit| {diff:.1e}")
+            _log(
+                f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}; back to back "
+                f"jax {jb.ms()} ms, hf {hb.ms()} ms; |dlogit| {diff:.1e}"
+            )
             cases.append(case)
 
         base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len)
@@ -120,17 +140,38 @@ def run(model_name: str, hf_python: str, *, workdir: str, prefill_lens, ns, ks, 
             hf.call("context", name=f"n{n}", tokens=prompts[n])
             base.context(f"n{n}", prompts[n])
             step = rand(n)
-            pair("decode", n, 1, base, lambda: base.decode(f"n{n}", step), dict(op="step", context=f"n{n}", tokens=[[x] for x in step]))
+            pair(
+                "decode",
+                n,
+                1,
+                base,
+                lambda: base.decode(f"n{n}", step),
+                dict(op="step", context=f"n{n}", tokens=[[x] for x in step]),
+            )
             base.free_context(f"n{n}")
         del base
 
         for k in ks:
-            spec = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, speculative=True, num_drafts=k - 1,
-                             mtp_k_ladder=f"{max(ns)}:{k - 1}")  # every slot may verify K rows
+            spec = StepBench(
+                cfg,
+                params,
+                max_batch=max(ns),
+                max_seq_len=max_seq_len,
+                speculative=True,
+                num_drafts=k - 1,
+                mtp_k_ladder=f"{max(ns)}:{k - 1}",
+            )  # every slot may verify K rows
             for n in ns:
                 spec.context(f"n{n}", prompts[n])
                 rows = rand(n, k)
-                pair("verify", n, k, spec, lambda: spec.verify(f"n{n}", rows), dict(op="step", context=f"n{n}", tokens=rows))
+                pair(
+                    "verify",
+                    n,
+                    k,
+                    spec,
+                    lambda: spec.verify(f"n{n}", rows),
+                    dict(op="step", context=f"n{n}", tokens=rows),
+                )
                 spec.free_context(f"n{n}")
             del spec
     return {

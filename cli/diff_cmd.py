@@ -26,7 +26,12 @@ from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.settings import (
-    Behavior, BehaviorError, SettingsError, pop_serve_raw, resolve_settings, serve_options,
+    Behavior,
+    BehaviorError,
+    SettingsError,
+    pop_serve_raw,
+    resolve_settings,
+    serve_options,
 )
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli.errors import UsageError, register_user_error, user_errors
@@ -61,15 +66,21 @@ def _settings(checkpoint: str, raw: dict, request: DiffRequest):
         return settings
     settings = resolve_settings({**raw, **sized}, behavior, auto_slots=auto)
     opts = {"--" + k.replace("_", "-") for k in sized}
-    table = tuple(dataclasses.replace(p, requested="", rule=SIZED_RULE) if p.setting in opts else p
-                  for p in settings.provenance)
+    table = tuple(
+        dataclasses.replace(p, requested="", rule=SIZED_RULE) if p.setting in opts else p for p in settings.provenance
+    )
     return dataclasses.replace(settings, provenance=table)
 
 
 @click.command("diff", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--checkpoint", required=True, help="Checkpoint directory or preset name (tiny).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Weight/activation dtype the model is served in.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Weight/activation dtype the model is served in.",
+)
 @click.option("--steps", type=int, required=True, help="Decode or verify steps per run (>= 2; --swap >= 4).")
 @click.option("--prompts", "n_prompts", type=int, default=1, show_default=True, help="Prompts of the default mode.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Write the JSON report here.")
@@ -82,23 +93,49 @@ def _settings(checkpoint: str, raw: dict, request: DiffRequest):
 @click.option("--prefill", help="Mode: prefill parity at prompt lengths L,.. (single pass against chunked).")
 @click.option("--prefill-chunk", help="The chunk sizes C,.. of --prefill.")
 @click.option("--swap", is_flag=True, help="Mode: spill the sequence halfway, free, re-allocate, restore, continue.")
-@click.option("--forwards",
-              help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}].")
+@click.option(
+    "--forwards", help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}]."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the summary.")
 @serve_options
 @click.pass_context
 @user_errors
-def diff(ctx, checkpoint, dtype, steps, n_prompts, out, batch, fragment_slots, verify, mtp, verify_batch,
-         verify_batch_ks, prefill, prefill_chunk, swap, forwards, as_json, **serve):
+def diff(
+    ctx,
+    checkpoint,
+    dtype,
+    steps,
+    n_prompts,
+    out,
+    batch,
+    fragment_slots,
+    verify,
+    mtp,
+    verify_batch,
+    verify_batch_ks,
+    prefill,
+    prefill_chunk,
+    swap,
+    forwards,
+    as_json,
+    **serve,
+):
     """Run the engine's reference forward (xla), replay its exact inputs under every other
     forward (xla-repeat, pallas), and compare every step's logits (and drafter output, and
     state) byte for byte, with a detection control. Modes: default (decode), --batch,
     --verify, --verify-batch, --prefill, --swap. Exit 1 on FAIL."""
     request = DiffRequest(
-        steps=steps, prompts=n_prompts, batch=_ints("--batch", batch), fragment_slots=fragment_slots,
-        verify=_ints("--verify", verify), mtp=mtp, verify_batch=_ints("--verify-batch", verify_batch),
-        verify_batch_ks=_ints("--verify-batch-ks", verify_batch_ks), prefill=_ints("--prefill", prefill),
-        prefill_chunk=_ints("--prefill-chunk", prefill_chunk), swap=swap,
+        steps=steps,
+        prompts=n_prompts,
+        batch=_ints("--batch", batch),
+        fragment_slots=fragment_slots,
+        verify=_ints("--verify", verify),
+        mtp=mtp,
+        verify_batch=_ints("--verify-batch", verify_batch),
+        verify_batch_ks=_ints("--verify-batch-ks", verify_batch_ks),
+        prefill=_ints("--prefill", prefill),
+        prefill_chunk=_ints("--prefill-chunk", prefill_chunk),
+        swap=swap,
     )
     request.check()
     names = None if forwards is None else [f.strip() for f in forwards.split(",") if f.strip()]

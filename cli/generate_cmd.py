@@ -39,8 +39,11 @@ def _acceptance_lines(run: Run) -> list[str]:
         f"{s['mean_drafted']:.2f} drafts per verify)",
         f"drafts accepted: {run.accepted.sum()}/{run.drafted.sum()}; tokens per verify row {s['tokens_per_verify_row']:.2f}",
     ]
-    by_pos = [f"{j + 1}: {a:.2f} ({int(run.accepted_at[:, j].sum())}/{int((run.drafted > j).sum())})"
-              for j, a in enumerate(s["acceptance_by_position"]) if not math.isnan(a)]
+    by_pos = [
+        f"{j + 1}: {a:.2f} ({int(run.accepted_at[:, j].sum())}/{int((run.drafted > j).sum())})"
+        for j, a in enumerate(s["acceptance_by_position"])
+        if not math.isnan(a)
+    ]
     if by_pos:
         lines.append("acceptance by draft position: " + "  ".join(by_pos))
     return lines
@@ -49,10 +52,14 @@ def _acceptance_lines(run: Run) -> list[str]:
 @click.command("generate")
 @click.option("--checkpoint", required=True, help="Preset (tiny, small) or checkpoint directory.")
 @click.option("--prompt", required=True, help="Prompt text, encoded with the checkpoint's tokenizer.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Tokens to generate (greedy).")
-@click.option("--confidence-stop", type=float,
-              help="With --speculative: cut drafts before the first whose log-probability is below this.")
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens to generate (greedy)."
+)
+@click.option(
+    "--confidence-stop",
+    type=float,
+    help="With --speculative: cut drafts before the first whose log-probability is below this.",
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @serve_options
 @click.pass_context
@@ -85,8 +92,11 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, dtype, **
     else:
         out = greedy_generate(engine, [ids], max_new_tokens)[0]
     seconds = time.perf_counter() - t0
-    mode = (f"speculative, up to {settings.num_drafts} MTP draft(s) per verify" if run
-            else "plain greedy; add --speculative --num-drafts 3 to see the drafter")
+    mode = (
+        f"speculative, up to {settings.num_drafts} MTP draft(s) per verify"
+        if run
+        else "plain greedy; add --speculative --num-drafts 3 to see the drafter"
+    )
     click.echo(f"{checkpoint}: {len(ids)} prompt tokens, {len(out)} generated ({mode})")
     click.echo(tok.decode(ids) + click.style(tok.decode(out), bold=True))
     click.echo("")

@@ -34,8 +34,14 @@ def _parse_tokens(tokens: str | None, tokens_file: str | None, vocab: int) -> li
 @click.option("--checkpoint", required=True, help="Checkpoint directory or preset name (tiny).")
 @click.option("--tokens", help="Comma-separated prompt token ids.")
 @click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False), help="File of token ids.")
-@click.option("--decode", "decode_steps", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Greedy decode steps after the prefill.")
+@click.option(
+    "--decode",
+    "decode_steps",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Greedy decode steps after the prefill.",
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the logits [len+N, vocab] float32 .npy here.")
 @user_errors
@@ -48,8 +54,10 @@ def logits(checkpoint, tokens, tokens_file, decode_steps, dtype, out):
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         np.save(out, lg)
-    click.echo(f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers "
-               f"({cfg.num_linear_layers} GDN, {cfg.num_full_layers} attention), vocab {cfg.vocab_size}, {dtype}")
+    click.echo(
+        f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers "
+        f"({cfg.num_linear_layers} GDN, {cfg.num_full_layers} attention), vocab {cfg.vocab_size}, {dtype}"
+    )
     click.echo(f"logits: {lg.shape[0]} rows ({len(prompt)} prompt + {decode_steps} decode) x {lg.shape[1]}")
     click.echo(f"last prompt position: argmax {int(lg[len(prompt) - 1].argmax())}, max {lg[len(prompt) - 1].max():.4f}")
     if fed:

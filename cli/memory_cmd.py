@@ -8,6 +8,7 @@ backend (cached on disk; `--no-activations` skips them), the settings the serve'
 
 Invariant: every user error prints one line per problem (`error: ...`) on stderr and exits 2.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,13 +16,13 @@ from pathlib import Path
 
 import click
 
+from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.settings import (
     BehaviorError,
     Provenance,
     SettingsError,
     resolve_settings,
 )
-from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.memory.activations import ActivationModel
 from metrale_jax.memory.advice import concurrency_answer, isl_answer, warnings_for
 from metrale_jax.memory.devices import find_device
@@ -47,9 +48,19 @@ def _parse_slots(text: str | None) -> int | str | None:
     raise PlanError(f"--slots must be an integer in 1..={AUTO_MAX_SLOTS} or auto, got {text!r}")
 
 
-def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, recipe: str | None,
-         slots: str | None, dtype: str | None, root: Path, engine_flags: tuple[str, ...],
-         activations: bool = True) -> Report:
+def plan(
+    checkpoint: str,
+    device: str,
+    isl: int,
+    osl: int,
+    concurrency: int,
+    recipe: str | None,
+    slots: str | None,
+    dtype: str | None,
+    root: Path,
+    engine_flags: tuple[str, ...],
+    activations: bool = True,
+) -> Report:
     """Resolve everything the command names and evaluate it. Raises the user-error types.
     `activations=False` skips compiling the step programs (no activation term is charged)."""
     dev = find_device(device)
@@ -61,8 +72,12 @@ def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, rec
     served = parse_dtype(dtype or source.dtype)
     model = ActivationModel(source.config, served) if activations else None
     planner = Planner(
-        config=source.config, settings=settings, device=dev, dtype=served,
-        weights=weight_terms(source, served), slots=slots_arg,
+        config=source.config,
+        settings=settings,
+        device=dev,
+        dtype=served,
+        weights=weight_terms(source, served),
+        slots=slots_arg,
         follow_auto=str(raw.get("max_batch_size", "")).strip() == "auto",
         activations=model,
     )
@@ -71,13 +86,17 @@ def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, rec
     answers = concurrency_answer(planner, w), isl_answer(planner, w)
     table = settings.provenance
     if slots_arg is not None:
-        table += (Provenance("--slots", str(slots_arg), str(ev.counts.real_slots),
-                             "what-if: replaces --max-batch-size"),)
+        table += (
+            Provenance("--slots", str(slots_arg), str(ev.counts.real_slots), "what-if: replaces --max-batch-size"),
+        )
     return Report(
         checkpoint=source.id,
         config_from=source.config_from,
-        weights_from=(f"{len(source.tensors)} tensors on disk" if source.bindings
-                      else f"shapes of init_params, {dtype or source.dtype}"),
+        weights_from=(
+            f"{len(source.tensors)} tensors on disk"
+            if source.bindings
+            else f"shapes of init_params, {dtype or source.dtype}"
+        ),
         behavior_from=source.behavior.source,
         outside_bytes=outside_bytes(source),
         recipe=recipe,
@@ -88,41 +107,73 @@ def plan(checkpoint: str, device: str, isl: int, osl: int, concurrency: int, rec
         max_concurrency=answers[0],
         max_isl=answers[1],
         warnings=warnings_for(planner, ev),
-        activation_run=None if model is None else {
-            "compiled": model.compiled, "compile_seconds": round(model.compile_seconds, 3),
-            "cache_hits": model.cache_hits, "cache_dir": str(model.cache_dir)},
+        activation_run=None
+        if model is None
+        else {
+            "compiled": model.compiled,
+            "compile_seconds": round(model.compile_seconds, 3),
+            "cache_hits": model.cache_hits,
+            "cache_dir": str(model.cache_dir),
+        },
     )
 
 
 @click.command("memory", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--checkpoint", required=True,
-              help="Preset (tiny), checkpoint directory, or model id with recipes/models/<id>/config.json.")
+@click.option(
+    "--checkpoint",
+    required=True,
+    help="Preset (tiny), checkpoint directory, or model id with recipes/models/<id>/config.json.",
+)
 @click.option("--device", required=True, help="Accelerator, e.g. H100, H200, B200, GB10, L40S, RTX-5090.")
 @click.option("--isl", type=click.IntRange(min=1), required=True, help="Prompt tokens per sequence.")
 @click.option("--osl", type=click.IntRange(min=1), required=True, help="Output tokens per sequence.")
-@click.option("--concurrency", type=click.IntRange(min=1), required=True,
-              help="Sequences decoding together.")
+@click.option("--concurrency", type=click.IntRange(min=1), required=True, help="Sequences decoding together.")
 @click.option("--recipe", help="Serve recipe FAMILY/STEM (recipes/FAMILY/STEM.yaml); its model must be the checkpoint.")
 @click.option("--slots", help="What-if sequence slots: N or auto (= the concurrency); replaces --max-batch-size.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]),
-              help="Served weight/activation dtype [config.json's; presets float32].")
-@click.option("--root", "root", type=click.Path(file_okay=False, path_type=Path),
-              default=REPO_RECIPES_DIR, show_default=True, help="Recipes directory.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    help="Served weight/activation dtype [config.json's; presets float32].",
+)
+@click.option(
+    "--root",
+    "root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=REPO_RECIPES_DIR,
+    show_default=True,
+    help="Recipes directory.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-@click.option("--no-activations", "no_activations", is_flag=True,
-              help="Skip the activation term (compiling the step programs; cached on disk under "
-                   "$METRALE_JAX_ACTIVATIONS_CACHE or ~/.cache/metrale-jax/activations).")
+@click.option(
+    "--no-activations",
+    "no_activations",
+    is_flag=True,
+    help="Skip the activation term (compiling the step programs; cached on disk under "
+    "$METRALE_JAX_ACTIVATIONS_CACHE or ~/.cache/metrale-jax/activations).",
+)
 @click.argument("engine_flags", nargs=-1, type=click.UNPROCESSED)
 @user_errors
-def memory(checkpoint, device, isl, osl, concurrency, recipe, slots, dtype, root, as_json,
-           no_activations, engine_flags):
+def memory(
+    checkpoint, device, isl, osl, concurrency, recipe, slots, dtype, root, as_json, no_activations, engine_flags
+):
     """Plan a serve's device memory without a device: weights, every engine pool at ISL+OSL and
     CONCURRENCY, the step programs' activations (XLA's memory analysis, compiled for this
     machine's backend), the verdict against DEVICE's budget, and the largest concurrency and ISL
     that fit. Serve flags after `--` override the recipe's (e.g. `-- --speculative --num-drafts 3`)."""
     try:
-        report = plan(checkpoint, device, isl, osl, concurrency, recipe, slots, dtype, root,
-                      engine_flags, activations=not no_activations)
+        report = plan(
+            checkpoint,
+            device,
+            isl,
+            osl,
+            concurrency,
+            recipe,
+            slots,
+            dtype,
+            root,
+            engine_flags,
+            activations=not no_activations,
+        )
     except SettingsError as e:
         for message in e.messages:
             click.echo(f"error: {message}", err=True)

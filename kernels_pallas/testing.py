@@ -41,7 +41,14 @@ def gdn_pad_rows(args, lens):
     keep their random values."""
     q, k, v, g, beta, h0 = args
     valid = np.arange(q.shape[1])[None, :] < np.asarray(lens)[:, None]  # [B, T]
-    return q, np.where(valid[..., None, None], k, 0.0).astype(np.float32), v, np.where(valid[..., None], g, 0.0).astype(np.float32), np.where(valid[..., None], beta, 0.0).astype(np.float32), h0
+    return (
+        q,
+        np.where(valid[..., None, None], k, 0.0).astype(np.float32),
+        v,
+        np.where(valid[..., None], g, 0.0).astype(np.float32),
+        np.where(valid[..., None], beta, 0.0).astype(np.float32),
+        h0,
+    )
 
 
 def gdn_oracle(q, k, v, g, beta, h0):

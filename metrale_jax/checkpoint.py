@@ -23,7 +23,7 @@ import json
 import os
 import re
 import struct as _struct
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -181,7 +181,12 @@ def _one(path, name, shape, fwd=lambda x: x, back=lambda x: x):
 
 
 def _qkvz_layout(cfg: ModelConfig):
-    nk, dk, r, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads // cfg.linear_num_key_heads, cfg.linear_value_head_dim
+    nk, dk, r, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_num_value_heads // cfg.linear_num_key_heads,
+        cfg.linear_value_head_dim,
+    )
     return nk, dk, r, dv
 
 
@@ -224,8 +229,13 @@ def _split_rows(w, rows) -> list:
 
 def _stacked(path, names, shapes) -> Binding:
     """One leaf made of several HF tensors stacked by rows, in `names` order."""
-    return Binding(path, tuple(names), tuple(shapes), lambda a: np.concatenate(list(a)),
-                   lambda w: _split_rows(w, [s[0] for s in shapes]))
+    return Binding(
+        path,
+        tuple(names),
+        tuple(shapes),
+        lambda a: np.concatenate(list(a)),
+        lambda w: _split_rows(w, [s[0] for s in shapes]),
+    )
 
 
 def _gdn_in_binding(cfg: ModelConfig, path: tuple, la: str, hd: int) -> Binding:
@@ -239,9 +249,13 @@ def _gdn_in_binding(cfg: ModelConfig, path: tuple, la: str, hd: int) -> Binding:
         qkv, z, b, a = _split_rows(w, rows)
         return [_interleave_qkvz(qkv, z, cfg), _interleave_ba(b, a, cfg)]
 
-    return Binding(path, (f"{la}.in_proj_qkvz.weight", f"{la}.in_proj_ba.weight"),
-                   ((rows[0] + rows[1], hd), (rows[2] + rows[3], hd)),
-                   lambda a: np.concatenate([*_deinterleave_qkvz(a[0], cfg), *_deinterleave_ba(a[1], cfg)]), split)
+    return Binding(
+        path,
+        (f"{la}.in_proj_qkvz.weight", f"{la}.in_proj_ba.weight"),
+        ((rows[0] + rows[1], hd), (rows[2] + rows[3], hd)),
+        lambda a: np.concatenate([*_deinterleave_qkvz(a[0], cfg), *_deinterleave_ba(a[1], cfg)]),
+        split,
+    )
 
 
 def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind: str, fused_experts: bool):
@@ -252,37 +266,61 @@ def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind
     ]
     if kind == FULL:
         a, p, sa = spec["attn"], path + ("attn",), f"{prefix}.self_attn"
-        out.append(_stacked(p + ("w_in",), [f"{sa}.{x}_proj.weight" for x in "qkv"], [(r, hd) for r in attn_in_rows(cfg)]))
+        out.append(
+            _stacked(p + ("w_in",), [f"{sa}.{x}_proj.weight" for x in "qkv"], [(r, hd) for r in attn_in_rows(cfg)])
+        )
         for leaf, hf in (("wo", "o_proj"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
             out.append(_one(p + (leaf,), f"{sa}.{hf}.weight", a[leaf].shape))
     else:
         s, p, la = spec["gdn"], path + ("gdn",), f"{prefix}.linear_attn"
         out.append(_gdn_in_binding(cfg, p + ("w_in",), la, hd))
         c, kc = s["conv"].shape
-        out.append(_one(p + ("conv",), f"{la}.conv1d.weight", (c, 1, kc), lambda x: x[:, 0, :], lambda w: w[:, None, :]))
-        for leaf, hf in (("dt_bias", "dt_bias"), ("A_log", "A_log"), ("norm", "norm.weight"), ("out", "out_proj.weight")):
+        out.append(
+            _one(p + ("conv",), f"{la}.conv1d.weight", (c, 1, kc), lambda x: x[:, 0, :], lambda w: w[:, None, :])
+        )
+        for leaf, hf in (
+            ("dt_bias", "dt_bias"),
+            ("A_log", "A_log"),
+            ("norm", "norm.weight"),
+            ("out", "out_proj.weight"),
+        ):
             out.append(_one(p + (leaf,), f"{la}.{hf}", s[leaf].shape))
     m, mp, pm = spec["mlp"], path + ("mlp",), f"{prefix}.mlp"
     if "shared_down" in m:
         e, two_i, _ = m["gate_up"].shape
         i = two_i // 2
-        names = [f"{pm}.gate.weight", f"{pm}.shared_expert.gate_proj.weight", f"{pm}.shared_expert.up_proj.weight",
-                 f"{pm}.shared_expert_gate.weight"]
+        names = [
+            f"{pm}.gate.weight",
+            f"{pm}.shared_expert.gate_proj.weight",
+            f"{pm}.shared_expert.up_proj.weight",
+            f"{pm}.shared_expert_gate.weight",
+        ]
         out.append(_stacked(mp + ("w_in",), names, [(r, hd) for r in moe_in_rows(cfg)]))
         if fused_experts:
             out.append(_one(mp + ("gate_up",), f"{pm}.experts.gate_up_proj", (e, two_i, hd)))
             out.append(_one(mp + ("down",), f"{pm}.experts.down_proj", m["down"].shape))
         else:
             names = tuple(f"{pm}.experts.{x}.{w}_proj.weight" for x in range(e) for w in ("gate", "up"))
-            out.append(Binding(mp + ("gate_up",), names, ((i, hd),) * (2 * e),
-                               lambda a, e=e: np.stack([np.concatenate([a[2 * x], a[2 * x + 1]]) for x in range(e)]),
-                               lambda w, i=i: [part for x in w for part in (x[:i], x[i:])]))
+            out.append(
+                Binding(
+                    mp + ("gate_up",),
+                    names,
+                    ((i, hd),) * (2 * e),
+                    lambda a, e=e: np.stack([np.concatenate([a[2 * x], a[2 * x + 1]]) for x in range(e)]),
+                    lambda w, i=i: [part for x in w for part in (x[:i], x[i:])],
+                )
+            )
             names = tuple(f"{pm}.experts.{x}.down_proj.weight" for x in range(e))
             out.append(Binding(mp + ("down",), names, ((hd, i),) * e, lambda a: np.stack(list(a)), lambda w: list(w)))
         out.append(_one(mp + ("shared_down",), f"{pm}.shared_expert.down_proj.weight", m["shared_down"].shape))
     else:
-        out.append(_stacked(mp + ("gate_up",), [f"{pm}.gate_proj.weight", f"{pm}.up_proj.weight"],
-                            [(r, hd) for r in dense_in_rows(cfg)]))
+        out.append(
+            _stacked(
+                mp + ("gate_up",),
+                [f"{pm}.gate_proj.weight", f"{pm}.up_proj.weight"],
+                [(r, hd) for r in dense_in_rows(cfg)],
+            )
+        )
         out.append(_one(mp + ("down",), f"{pm}.down_proj.weight", m["down"].shape))
     return out
 
@@ -404,4 +442,3 @@ def save_checkpoint(directory: str, cfg: ModelConfig, params: dict) -> None:
     write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=2)
-

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -74,9 +75,7 @@ class ModelConfig:
     def __post_init__(self):
         problems = []
         if len(self.layer_types) != self.num_hidden_layers:
-            problems.append(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
-            )
+            problems.append(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
         if bad:
             problems.append(f"unknown layer types {bad}")
@@ -126,18 +125,14 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         """HF's rule: sparse MoE unless listed dense, experts exist, and the sparse step hits."""
-        return (
-            i not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (i + 1) % self.decoder_sparse_step == 0
-        )
+        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def mtp_is_moe(self) -> bool:
         """The MTP layer is built as layer index 0 (vLLM), so it follows layer 0's MLP rule."""
         return self.num_experts > 0 and 0 not in self.mlp_only_layers
 
-    def replace(self, **kw) -> "ModelConfig":
+    def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -213,9 +208,7 @@ def from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
         layout = "qwen3_5" if mt in ("qwen3_5_text", "qwen3_5_moe_text") else "qwen3_next"
         prefix = "model"
     if mt not in _SUPPORTED:
-        raise ConfigError(
-            f"unsupported model_type {mt!r} (supported: {', '.join(_SUPPORTED + tuple(_WRAPPERS))})"
-        )
+        raise ConfigError(f"unsupported model_type {mt!r} (supported: {', '.join(_SUPPORTED + tuple(_WRAPPERS))})")
     missing: list[str] = []
     vocab = _require(d, "vocab_size", missing)
     hidden = _require(d, "hidden_size", missing)
@@ -262,13 +255,9 @@ def from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
         linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
         linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
         num_experts=num_experts,
-        num_experts_per_tok=int(d.get("num_experts_per_tok", 10 if mt == "qwen3_next" else 8))
-        if num_experts
-        else 0,
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 10 if mt == "qwen3_next" else 8)) if num_experts else 0,
         moe_intermediate_size=int(d.get("moe_intermediate_size", 512)) if num_experts else 0,
-        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 512))
-        if num_experts
-        else 0,
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 512)) if num_experts else 0,
         # Qwen3.5-MoE always renormalises the top-k.
         norm_topk_prob=bool(d.get("norm_topk_prob", True)) if mt == "qwen3_next" else True,
         decoder_sparse_step=int(d.get("decoder_sparse_step", 1)) if mt == "qwen3_next" else 1,

@@ -65,8 +65,10 @@ def dense_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
 def _mlp(cfg: ModelConfig, moe: bool):
     hd = cfg.hidden_size
     if not moe:
-        return {"gate_up": ParamSpec((sum(dense_in_rows(cfg)), hd), "linear"),
-                "down": ParamSpec((hd, cfg.intermediate_size), "linear")}
+        return {
+            "gate_up": ParamSpec((sum(dense_in_rows(cfg)), hd), "linear"),
+            "down": ParamSpec((hd, cfg.intermediate_size), "linear"),
+        }
     e, i = cfg.num_experts, cfg.moe_intermediate_size
     return {
         "w_in": ParamSpec((sum(moe_in_rows(cfg)), hd), "linear"),

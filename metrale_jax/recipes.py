@@ -15,6 +15,7 @@ Invariants:
 - Every problem surfaces as `RecipeError` (recipe files) or `SettingsError` (serve flags), one
   line per problem.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,12 +38,19 @@ RECIPE_VERSION = "2"
 RUNTIME = "metrale-jax"
 _REQUIRED = ("recipe_version", "model", "runtime", "container", "defaults")
 _OPTIONAL = ("min_nodes", "max_nodes", "metadata", "env")
-_METADATA_KEYS = frozenset({
-    "description", "maintainer", "category", "model_params", "model_dtype", "quantization",
-    "kv_dtype", "updated",
-})
-_KEY_TO_FLAG = {"max_model_len": "--max-seq-len", "tensor_parallel": "--tp-size",
-                "host": "--bind"}
+_METADATA_KEYS = frozenset(
+    {
+        "description",
+        "maintainer",
+        "category",
+        "model_params",
+        "model_dtype",
+        "quantization",
+        "kv_dtype",
+        "updated",
+    }
+)
+_KEY_TO_FLAG = {"max_model_len": "--max-seq-len", "tensor_parallel": "--tp-size", "host": "--bind"}
 
 Scalar = str | int | float | bool
 
@@ -112,16 +120,16 @@ def parse_recipe(recipe_id: str, text: str) -> Recipe:
         raise RecipeError(f"{where}: the top level must be a mapping")
     unknown = sorted(str(k) for k in doc if k not in _REQUIRED + _OPTIONAL)
     if unknown:
-        raise RecipeError(f"{where}: unknown top-level key(s) {', '.join(unknown)} "
-                          f"(allowed: {', '.join(_REQUIRED + _OPTIONAL)})")
+        raise RecipeError(
+            f"{where}: unknown top-level key(s) {', '.join(unknown)} (allowed: {', '.join(_REQUIRED + _OPTIONAL)})"
+        )
     missing = [k for k in _REQUIRED if k not in doc]
     if missing:
         raise RecipeError(f"{where}: missing required key(s) {', '.join(missing)}")
 
     version = _scalar_text(doc["recipe_version"])
     if version != RECIPE_VERSION:
-        raise RecipeError(f"{where}: recipe_version must be \"{RECIPE_VERSION}\", "
-                          f"got {doc['recipe_version']!r}")
+        raise RecipeError(f'{where}: recipe_version must be "{RECIPE_VERSION}", got {doc["recipe_version"]!r}')
     strings = {}
     for key in ("model", "runtime", "container"):
         if not isinstance(doc[key], str) or not doc[key].strip():
@@ -184,19 +192,16 @@ def _defaults(where: str, value: Any) -> tuple[tuple[str, Scalar], ...]:
             raise RecipeError(f"{where}: defaults.{key} ({flag}) is not a metrale-jax serve flag")
         if kinds[flag]:
             if not isinstance(v, bool):
-                raise RecipeError(f"{where}: defaults.{key} is a presence-only flag; "
-                                  f"write true or false, not {v!r}")
+                raise RecipeError(f"{where}: defaults.{key} is a presence-only flag; write true or false, not {v!r}")
         elif isinstance(v, bool) or not isinstance(v, (str, int, float)):
-            raise RecipeError(f"{where}: defaults.{key} ({flag}) takes a scalar value, "
-                              f"got {v!r}")
+            raise RecipeError(f"{where}: defaults.{key} ({flag}) takes a scalar value, got {v!r}")
         out.append((key, v))
     return tuple(out)
 
 
 def recipe_ids(recipes_dir: Path) -> list[str]:
     """Every recipe id (`family/stem`) under `recipes_dir`, sorted."""
-    return sorted(p.relative_to(recipes_dir).with_suffix("").as_posix()
-                  for p in recipes_dir.glob("*/*.yaml"))
+    return sorted(p.relative_to(recipes_dir).with_suffix("").as_posix() for p in recipes_dir.glob("*/*.yaml"))
 
 
 def load_recipe(recipes_dir: Path, recipe_id: str) -> Recipe:
@@ -217,11 +222,9 @@ def render_argv(recipe: Recipe) -> list[str]:
     Raises RecipeError for another runtime or a multi-node recipe (this engine serves on one).
     """
     if recipe.runtime != RUNTIME:
-        raise RecipeError(f"recipe {recipe.id} is for runtime {recipe.runtime!r}, "
-                          f"not {RUNTIME!r}")
+        raise RecipeError(f"recipe {recipe.id} is for runtime {recipe.runtime!r}, not {RUNTIME!r}")
     if recipe.min_nodes > 1:
-        raise RecipeError(f"recipe {recipe.id} needs {recipe.min_nodes} nodes; "
-                          f"{RUNTIME} serves on one")
+        raise RecipeError(f"recipe {recipe.id} needs {recipe.min_nodes} nodes; {RUNTIME} serves on one")
     argv = [recipe.model]
     for key, value in recipe.defaults:
         flag = flag_for_key(key)
@@ -269,14 +272,12 @@ def parse_serve_argv(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
     return model, pop_serve_raw(ctx, params)
 
 
-def serve_argv(recipes_dir: Path, checkpoint: str, recipe_id: str | None,
-               extra: Sequence[str]) -> list[str]:
+def serve_argv(recipes_dir: Path, checkpoint: str, recipe_id: str | None, extra: Sequence[str]) -> list[str]:
     """The serve argv for `checkpoint`: `recipe_id` rendered (its model must be `checkpoint`),
     or just `[checkpoint]`, then `extra` overriding. Raises RecipeError."""
     if recipe_id is None:
         return override_flags([checkpoint], extra)
     recipe = load_recipe(recipes_dir, recipe_id)
     if recipe.model != checkpoint:
-        raise RecipeError(f"recipe {recipe_id} serves {recipe.model}, "
-                          f"not --checkpoint {checkpoint}")
+        raise RecipeError(f"recipe {recipe_id} serves {recipe.model}, not --checkpoint {checkpoint}")
     return override_flags(render_argv(recipe), extra)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -40,13 +40,13 @@ from metrale_jax.training.corpus import default_stdlib_dir, load_corpus
 from metrale_jax.training.recipe import SMALL_RECIPE
 
 
-def flat_schedule(num_drafts: int, confidence_stop: Optional[float] = None) -> DraftSchedule:
+def flat_schedule(num_drafts: int, confidence_stop: float | None = None) -> DraftSchedule:
     """`num_drafts` drafts at every batch width (optionally cut at a log-confidence)."""
     return DraftSchedule(num_drafts, None, confidence_stop)
 
 
 def ladder_schedule(
-    num_drafts: int, ladder: KLadder | str = DEFAULT_K_LADDER, confidence_stop: Optional[float] = None
+    num_drafts: int, ladder: KLadder | str = DEFAULT_K_LADDER, confidence_stop: float | None = None
 ) -> DraftSchedule:
     """Drafts per width from a K ladder (`(n_max, drafts)` steps or its `"4:3,8:3,16:1,32:1"`
     text; default: the engine's), capped at `num_drafts`. Raises ValueError on a bad ladder."""
@@ -95,8 +95,13 @@ class Run:
     accepted_at: np.ndarray
 
     @classmethod
-    def from_generations(cls, schedule: DraftSchedule, width: int, max_new_tokens: int,
-                         parts: Sequence[tuple[Sequence[int], GenerationResult]]) -> "Run":
+    def from_generations(
+        cls,
+        schedule: DraftSchedule,
+        width: int,
+        max_new_tokens: int,
+        parts: Sequence[tuple[Sequence[int], GenerationResult]],
+    ) -> Run:
         """Tidy the results of `speculative_generate` calls under `schedule`: part g is
         (the prompt indices it ran, in order; its result). Prompts are 0..P-1 over all parts."""
         d = schedule.num_drafts
@@ -109,8 +114,15 @@ class Run:
             for s, rec in enumerate(res.steps):
                 n = len(rec.seqs)
                 for local, k, a, conf in zip(rec.seqs, rec.ks, rec.accepted, rec.confidences):
-                    for name, v in (("group", g), ("step", s), ("seq", idx[local]), ("active", n),
-                                    ("proposed", schedule.drafts_at(n)), ("drafted", k - 1), ("accepted", a)):
+                    for name, v in (
+                        ("group", g),
+                        ("step", s),
+                        ("seq", idx[local]),
+                        ("active", n),
+                        ("proposed", schedule.drafts_at(n)),
+                        ("drafted", k - 1),
+                        ("accepted", a),
+                    ):
                         cols[name].append(v)
                     row = np.full(d, np.nan)
                     row[: k - 1] = conf
@@ -118,7 +130,11 @@ class Run:
         ints = {k: np.asarray(v, np.int64) for k, v in cols.items()}
         pos = np.arange(d)[None, :]
         return cls(
-            schedule=schedule, width=width, max_new_tokens=max_new_tokens, tokens=tokens, **ints,
+            schedule=schedule,
+            width=width,
+            max_new_tokens=max_new_tokens,
+            tokens=tokens,
+            **ints,
             confidence=np.stack(confidence) if confidence else np.zeros((0, d)),
             reached=(pos <= ints["accepted"][:, None]) & (pos < ints["drafted"][:, None]),
             accepted_at=pos < ints["accepted"][:, None],
@@ -154,8 +170,11 @@ class Run:
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         total = lambda w: np.bincount(inverse, weights=w).astype(np.int64)
         return {
-            "group": self.group[first], "step": self.step[first], "active": self.active[first],
-            "verify_rows": total(self.verify_rows), "emitted": total(self.emitted),
+            "group": self.group[first],
+            "step": self.step[first],
+            "active": self.active[first],
+            "verify_rows": total(self.verify_rows),
+            "emitted": total(self.emitted),
         }
 
     def acceptance_by_position(self) -> np.ndarray:
@@ -182,7 +201,7 @@ class Run:
             "conditional_acceptance_by_position": self.conditional_acceptance_by_position(),
         }
 
-    def calibration(self, bins: int = 10, position: Optional[int] = None) -> Calibration:
+    def calibration(self, bins: int = 10, position: int | None = None) -> Calibration:
         """Reached drafts (all, or those at draft `position`) in `bins` equal-width
         probability bins of their confidence."""
         reached = self.reached.copy()
@@ -227,8 +246,10 @@ class Run:
         """The step rows as dicts (e.g. for `pandas.DataFrame`)."""
         cols = ("group", "step", "seq", "active", "proposed", "drafted", "accepted")
         return [
-            {**{c: int(getattr(self, c)[i]) for c in cols},
-             "confidences": self.confidence[i, : self.drafted[i]].tolist()}
+            {
+                **{c: int(getattr(self, c)[i]) for c in cols},
+                "confidences": self.confidence[i, : self.drafted[i]].tolist(),
+            }
             for i in range(len(self.seq))
         ]
 
@@ -250,20 +271,24 @@ class Study:
             raise ValueError("a draft-schedule study needs a model with an MTP head")
         self.cfg, self.params = cfg, params
         self.max_width, self.max_drafts, self.max_seq_len = max_width, max_drafts, max_seq_len
-        self._engine: Optional[Engine] = None
+        self._engine: Engine | None = None
 
     @property
     def engine(self) -> Engine:
         if self._engine is None:
             raw = {
-                "max_batch_size": str(self.max_width), "max_seq_len": self.max_seq_len,
-                "speculative": True, "num_drafts": self.max_drafts, "mtp_max_seqs": self.max_width,
-                "mtp_k_ladder": f"{self.max_width}:{self.max_drafts}", "kv_cache_dtype": "f32",
+                "max_batch_size": str(self.max_width),
+                "max_seq_len": self.max_seq_len,
+                "speculative": True,
+                "num_drafts": self.max_drafts,
+                "mtp_max_seqs": self.max_width,
+                "mtp_k_ladder": f"{self.max_width}:{self.max_drafts}",
+                "kv_cache_dtype": "f32",
             }
             self._engine = Engine(self.cfg, self.params, resolve_settings(raw, None, auto_slots=self.max_width))
         return self._engine
 
-    def _groups(self, prompts, max_new_tokens: int, width: Optional[int]):
+    def _groups(self, prompts, max_new_tokens: int, width: int | None):
         width = width or len(prompts)
         if not prompts:
             raise ValueError("no prompts")
@@ -271,22 +296,33 @@ class Study:
             raise ValueError(f"width {width} outside 1..{self.max_width} (the study's max_width)")
         longest = max(len(p) for p in prompts) + max_new_tokens + self.max_drafts + 1
         if longest > self.max_seq_len:
-            raise ValueError(f"a sequence would reach {longest} tokens, over the study's max_seq_len {self.max_seq_len}")
+            raise ValueError(
+                f"a sequence would reach {longest} tokens, over the study's max_seq_len {self.max_seq_len}"
+            )
         return width, [list(range(i, min(i + width, len(prompts)))) for i in range(0, len(prompts), width)]
 
-    def run(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, schedule: DraftSchedule,
-            width: Optional[int] = None) -> Run:
+    def run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        schedule: DraftSchedule,
+        width: int | None = None,
+    ) -> Run:
         """Greedy speculative decoding of `max_new_tokens` per prompt, `width` prompts at a time
         (default: all at once), under `schedule`. Raises ValueError for a schedule over
         `max_drafts` or a run that does not fit the study's engine."""
         if not 1 <= schedule.num_drafts <= self.max_drafts:
             raise ValueError(f"num_drafts {schedule.num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
         width, groups = self._groups(prompts, max_new_tokens, width)
-        parts = [(idx, speculative_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, schedule))
-                 for idx in groups]
+        parts = [
+            (idx, speculative_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, schedule))
+            for idx in groups
+        ]
         return Run.from_generations(schedule, width, max_new_tokens, parts)
 
-    def greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, width: Optional[int] = None) -> list[list[int]]:
+    def greedy(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, width: int | None = None
+    ) -> list[list[int]]:
         """Plain greedy decoding (no drafts) on the same engine: the reference a run must equal."""
         _, groups = self._groups(prompts, max_new_tokens, width)
         out: list[list[int]] = []
@@ -294,7 +330,9 @@ class Study:
             out += greedy_generate(self.engine, [prompts[i] for i in idx], max_new_tokens)
         return out
 
-    def sweep(self, prompts, max_new_tokens: int, schedules: dict[str, DraftSchedule], widths: Iterable[int]) -> list[dict]:
+    def sweep(
+        self, prompts, max_new_tokens: int, schedules: dict[str, DraftSchedule], widths: Iterable[int]
+    ) -> list[dict]:
         """Every (schedule, width): one row {label, num_drafts, width, run, **run.summary()}."""
         rows = []
         for label, sched in schedules.items():
@@ -313,7 +351,7 @@ def study_for(checkpoint: str, max_width: int = 32, max_drafts: int = 4, max_seq
     return Study(cfg, params, max_width=max_width, max_drafts=max_drafts, max_seq_len=max_seq_len)
 
 
-def heldout_prompts(count: int, length: int, seed: int = 0, corpus_dir: Optional[str] = None) -> list[list[int]]:
+def heldout_prompts(count: int, length: int, seed: int = 0, corpus_dir: str | None = None) -> list[list[int]]:
     """`count` byte-token prompts of `length` tokens from the small model's held-out stdlib files
     (the training recipe's split of `corpus_dir`, default this Python's stdlib), each starting at
     a line start, none crossing a file boundary; deterministic in `seed`. Raises ValueError when

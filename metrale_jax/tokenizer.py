@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 TOKENIZER_FILE = "tokenizer.json"
 #: The end-of-text token separating documents in training data.
@@ -87,7 +87,7 @@ def load_tokenizer(directory: str) -> ByteTokenizer:
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict) or raw.get("type") != "bytes":
-        raise TokenizerError(f"{path}: only byte-level tokenizers (type \"bytes\") are supported")
+        raise TokenizerError(f'{path}: only byte-level tokenizers (type "bytes") are supported')
     specials = raw.get("special_tokens", {})
     if not isinstance(specials, dict) or not all(isinstance(v, int) for v in specials.values()):
         raise TokenizerError(f"{path}: special_tokens must map names to integer ids")
@@ -101,9 +101,7 @@ def tokenizer_for(checkpoint_dir: str | None, vocab_size: int) -> ByteTokenizer:
     if checkpoint_dir is not None and os.path.isfile(os.path.join(checkpoint_dir, TOKENIZER_FILE)):
         tok = load_tokenizer(checkpoint_dir)
         if tok.vocab_size > vocab_size:
-            raise TokenizerError(
-                f"{checkpoint_dir}: tokenizer has {tok.vocab_size} ids, the model only {vocab_size}"
-            )
+            raise TokenizerError(f"{checkpoint_dir}: tokenizer has {tok.vocab_size} ids, the model only {vocab_size}")
         return tok
     if vocab_size >= 256:
         return ByteTokenizer({})

@@ -68,13 +68,15 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
 pos = np.arange(1, NUM_DRAFTS + 1)
 ax1.bar(pos - 0.2, summary["acceptance_by_position"], 0.4, label="of drafts verified there")
 ax1.bar(pos + 0.2, summary["conditional_acceptance_by_position"], 0.4, label="given the previous drafts accepted")
-ax1.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), xticks=pos,
-        title="MTP draft acceptance by position")
+ax1.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), xticks=pos, title="MTP draft acceptance by position")
 ax1.legend(fontsize=8)
 counts = np.bincount(run.accepted, minlength=NUM_DRAFTS + 1)
 ax2.bar(np.arange(NUM_DRAFTS + 1), counts / counts.sum())
-ax2.set(xlabel="drafts accepted in a verify", ylabel="fraction of verifies",
-        title=f"mean accepted length {summary['mean_accepted_length']:.2f} tokens")
+ax2.set(
+    xlabel="drafts accepted in a verify",
+    ylabel="fraction of verifies",
+    title=f"mean accepted length {summary['mean_accepted_length']:.2f} tokens",
+)
 fig.tight_layout()
 fig.savefig(OUT / "acceptance_by_position.png", dpi=120)
 

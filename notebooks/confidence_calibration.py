@@ -54,8 +54,13 @@ ax1.plot([0, 1], [0, 1], ":", color="grey", label="perfect calibration")
 for c, label in ((cal, "all reached drafts"), (cal0, "first drafts")):
     ok = c.count > 0
     ax1.plot(c.mean_confidence[ok], c.acceptance[ok], "o-", label=label)
-ax1.set(xlabel="drafter confidence (probability)", ylabel="acceptance", xlim=(0, 1), ylim=(0, 1),
-        title="Does confidence predict acceptance?")
+ax1.set(
+    xlabel="drafter confidence (probability)",
+    ylabel="acceptance",
+    xlim=(0, 1),
+    ylim=(0, 1),
+    title="Does confidence predict acceptance?",
+)
 ax1.legend(fontsize=8)
 ax2.bar(0.5 * (cal.edges[1:] + cal.edges[:-1]), cal.count, width=0.09)
 ax2.set(xlabel="drafter confidence (probability)", ylabel="reached drafts", title="Where the drafts are")
@@ -66,8 +71,10 @@ for c, a, n in zip(cal.mean_confidence, cal.acceptance, cal.count):
     if n:
         print(f"  {c:.2f} -> {a:.2f}  ({n})")
 n0 = cal0.count.sum()
-print(f"first drafts: mean confidence {np.nansum(cal0.mean_confidence * cal0.count) / n0:.3f}, "
-      f"acceptance {np.nansum(cal0.acceptance * cal0.count) / n0:.3f}")
+print(
+    f"first drafts: mean confidence {np.nansum(cal0.mean_confidence * cal0.count) / n0:.3f}, "
+    f"acceptance {np.nansum(cal0.acceptance * cal0.count) / n0:.3f}"
+)
 
 # %% [markdown]
 # ## What a confidence cut-off saves
@@ -82,11 +89,19 @@ replay = run.cutoff_tradeoff(np.log(probs))
 base = run.summary()
 measured = []
 for p in MEASURED:
-    cut = study.run(prompts, NEW_TOKENS, research.flat_schedule(NUM_DRAFTS, confidence_stop=float(np.log(p))), width=WIDTH)
+    cut = study.run(
+        prompts, NEW_TOKENS, research.flat_schedule(NUM_DRAFTS, confidence_stop=float(np.log(p))), width=WIDTH
+    )
     assert cut.tokens == run.tokens, "a cut-off changed the output"
     s = cut.summary()
-    measured.append({"p": p, "rows_saved": 1 - cut.verify_rows.sum() / run.verify_rows.sum(),
-                     "extra_steps": s["steps"] / base["steps"] - 1, **s})
+    measured.append(
+        {
+            "p": p,
+            "rows_saved": 1 - cut.verify_rows.sum() / run.verify_rows.sum(),
+            "extra_steps": s["steps"] / base["steps"] - 1,
+            **s,
+        }
+    )
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
 mp = [m["p"] for m in measured]
@@ -107,6 +122,8 @@ fig.tight_layout()
 fig.savefig(OUT / "confidence_cutoff.png", dpi=120)
 print(f"{'cut-off p':>9} {'rows saved':>10} {'extra steps':>11} {'tokens/row':>10} {'tokens/step':>11}")
 for m in measured:
-    print(f"{m['p']:>9.2f} {m['rows_saved']:>10.3f} {m['extra_steps']:>11.3f} "
-          f"{m['tokens_per_verify_row']:>10.3f} {m['mean_accepted_length']:>11.3f}")
+    print(
+        f"{m['p']:>9.2f} {m['rows_saved']:>10.3f} {m['extra_steps']:>11.3f} "
+        f"{m['tokens_per_verify_row']:>10.3f} {m['mean_accepted_length']:>11.3f}"
+    )
 print(f"{'none':>9} {0:>10.3f} {0:>11.3f} {base['tokens_per_verify_row']:>10.3f} {base['mean_accepted_length']:>11.3f}")

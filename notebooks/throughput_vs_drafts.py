@@ -69,13 +69,18 @@ def modelled_speedup(row):
 
 print(f"{'schedule':>10} {'width':>5} {'drafts/verify':>13} {'tokens/step':>11} {'tokens/row':>10} {'modelled':>8}")
 for r in rows:
-    print(f"{r['label']:>10} {r['width']:>5} {r['mean_drafted']:>13.2f} "
-          f"{r['mean_accepted_length']:>11.3f} {r['tokens_per_verify_row']:>10.3f} {modelled_speedup(r):>8.3f}")
+    print(
+        f"{r['label']:>10} {r['width']:>5} {r['mean_drafted']:>13.2f} "
+        f"{r['mean_accepted_length']:>11.3f} {r['tokens_per_verify_row']:>10.3f} {modelled_speedup(r):>8.3f}"
+    )
 
 
 fig, axes = plt.subplots(3, 2, figsize=(10, 10), sharex=True)
-panels = (("tokens_per_verify_row", "tokens per verify row"), ("mean_accepted_length", "tokens per verify step"),
-          (modelled_speedup, f"modelled speed-up (R_SAT={R_SAT})"))
+panels = (
+    ("tokens_per_verify_row", "tokens per verify row"),
+    ("mean_accepted_length", "tokens per verify step"),
+    (modelled_speedup, f"modelled speed-up (R_SAT={R_SAT})"),
+)
 for col, kind in enumerate(("flat", "ladder")):
     for w in WIDTHS:
         mine = [r for r in rows if r["label"].startswith(kind) and r["width"] == w]

@@ -16,7 +16,9 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf")
 
 
 def main():
-    print("| fixture | f32 max abs | f32 max rel (/max|logit|) | bf16 median | bf16 p99 | bf16 max | bf16 argmax agree | HF's own bf16-vs-f32 median / max |")
+    print(
+        "| fixture | f32 max abs | f32 max rel (/max|logit|) | bf16 median | bf16 p99 | bf16 max | bf16 argmax agree | HF's own bf16-vs-f32 median / max |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in sorted(os.listdir(ROOT)):
         d = os.path.join(ROOT, name)
@@ -33,8 +35,10 @@ def main():
         e16 = np.abs(out["logits_bf16"] - g["logits_bf16"])
         hf = np.abs(g["logits_bf16"] - g["logits_f32"])
         agree = np.mean(out["logits_bf16"].argmax(1) == g["logits_bf16"].argmax(1))
-        print(f"| {name} | {e32.max():.2e} | {e32.max() / np.abs(g['logits_f32']).max():.2e} | {np.median(e16):.4f} | "
-              f"{np.percentile(e16, 99):.3f} | {e16.max():.3f} | {agree:.3f} | {np.median(hf):.4f} / {hf.max():.3f} |")
+        print(
+            f"| {name} | {e32.max():.2e} | {e32.max() / np.abs(g['logits_f32']).max():.2e} | {np.median(e16):.4f} | "
+            f"{np.percentile(e16, 99):.3f} | {e16.max():.3f} | {agree:.3f} | {np.median(hf):.4f} / {hf.max():.3f} |"
+        )
 
 
 if __name__ == "__main__":

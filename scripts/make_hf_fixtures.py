@@ -42,10 +42,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-
-import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     Qwen3_5ForCausalLM,
     Qwen3_5MoeForCausalLM,
@@ -178,9 +177,7 @@ STD_NORM = 0.1  # zero-centred norms: w ~ N(0, 0.1); gated norm: w ~ 1 + N(0, 0.
 # ---------------------------------------------------------------------------------------------
 def layer_types_of(spec: dict) -> list[str]:
     k = spec["full_attention_interval"]
-    return [
-        "full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(spec["num_hidden_layers"])
-    ]
+    return ["full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(spec["num_hidden_layers"])]
 
 
 def config_json(spec: dict) -> dict:
@@ -376,8 +373,15 @@ def random_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator, t
         a = rng.normal(0.0, STD_LM_HEAD, shape)
     elif name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: weight applied as w (init 1)
         a = 1.0 + rng.normal(0.0, STD_NORM, shape)
-    elif leaf in ("input_layernorm", "post_attention_layernorm", "norm", "q_norm", "k_norm",
-                  "pre_fc_norm_embedding", "pre_fc_norm_hidden"):  # zero-centred (1 + w)
+    elif leaf in (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "norm",
+        "q_norm",
+        "k_norm",
+        "pre_fc_norm_embedding",
+        "pre_fc_norm_hidden",
+    ):  # zero-centred (1 + w)
         a = rng.normal(0.0, STD_NORM, shape)
     elif name.endswith("A_log"):
         a = np.log(rng.uniform(0.05, 3.0, shape))
@@ -425,7 +429,7 @@ def hf_to_release(sd: dict[str, torch.Tensor], fam: str, tie: bool) -> dict[str,
                 out[f"{base}{e}.down_proj.weight"] = t[e].clone()
             continue
         if fam in ("qwen3_5", "qwen3_5_moe") and name.startswith("model."):
-            name = "model.language_model." + name[len("model."):]
+            name = "model.language_model." + name[len("model.") :]
         out[name] = t.clone()
     return out
 
@@ -437,7 +441,7 @@ def release_to_hf(tensors: dict[str, torch.Tensor], fam: str, num_experts: int) 
         if name.startswith("mtp."):
             continue
         if fam in ("qwen3_5", "qwen3_5_moe") and name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
+            name = "model." + name[len("model.language_model.") :]
         if fam == "qwen3_next" and ".mlp.experts." in name:
             base, rest = name.split(".mlp.experts.")
             e, proj = rest.split(".")[:2]
@@ -459,9 +463,7 @@ def mtp_tensors(release: dict[str, torch.Tensor], spec: dict, rng: np.random.Gen
     types = layer_types_of(spec)
     moe = spec.get("num_experts", 0) > 0
     mlp_only = spec.get("mlp_only_layers", [])
-    src = next(
-        i for i, t in enumerate(types) if t == "full_attention" and (not moe or i not in mlp_only)
-    )
+    src = next(i for i, t in enumerate(types) if t == "full_attention" and (not moe or i not in mlp_only))
     hd = spec["hidden_size"]
     shapes = {
         "mtp.fc.weight": (hd, 2 * hd),
@@ -472,7 +474,7 @@ def mtp_tensors(release: dict[str, torch.Tensor], spec: dict, rng: np.random.Gen
     lp = f"{prefix}{src}."
     for name, t in release.items():
         if name.startswith(lp):
-            shapes["mtp.layers.0." + name[len(lp):]] = tuple(t.shape)
+            shapes["mtp.layers.0." + name[len(lp) :]] = tuple(t.shape)
     return {name: random_tensor(name, shape, rng) for name, shape in sorted(shapes.items())}
 
 

@@ -36,16 +36,32 @@ def smoke(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     path = d / "bench.json"
     env = dict(os.environ, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--json", str(path), "--workdir", str(d)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--json", str(path), "--workdir", str(d)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return {"table": r.stdout}, json.loads(path.read_text())
 
 
 def test_smoke_prints_every_table_and_writes_the_json(smoke):
     res, saved = smoke
-    assert list(saved["sections"]) == ["hf", "compile", "forwards", "gap", "slots", "roofline"] and saved["failed"] == []
-    for title in ("machine:", "HF transformers", "== Compile cost", "== Forwards", "== Idle gap", "== Slots", "== Roofline (DRY RUN"):
+    assert (
+        list(saved["sections"]) == ["hf", "compile", "forwards", "gap", "slots", "roofline"] and saved["failed"] == []
+    )
+    for title in (
+        "machine:",
+        "HF transformers",
+        "== Compile cost",
+        "== Forwards",
+        "== Idle gap",
+        "== Slots",
+        "== Roofline (DRY RUN",
+    ):
         assert title in res["table"]
     assert saved["machine"]["load_average_1_5_15"] and saved["machine"]["cpu_count"] >= 1
     assert set(saved["load"]) == set(saved["sections"])
@@ -96,7 +112,14 @@ def test_verify_loop_driver_compiles_nothing_after_warmup(smoke):
             assert run["recompiles_after_warmup"] == 0
             assert run["backend_compiles_after_warmup"] == 0
             assert run["compilations_after_first_step"] == run["compilations"]
-            assert {p["name"] for p in run["programs"]} == {"prefill_chunk", "propose", "step_rows", "stash_rows", "gdn_fold", "commit_conv"}
+            assert {p["name"] for p in run["programs"]} == {
+                "prefill_chunk",
+                "propose",
+                "step_rows",
+                "stash_rows",
+                "gdn_fold",
+                "commit_conv",
+            }
 
 
 def test_forwards_agree_and_the_roofline_dry_run_is_consistent(smoke):
@@ -185,10 +208,32 @@ def test_benchmark_checkpoint_is_rewritten_when_the_weights_change(tmp_path):
 
 def test_hf_table_marks_cases_whose_logits_differ():
     stats = {"n": 1, "median": 1e-3, "min": 1e-3, "max": 1e-3, "p25": 1e-3, "p75": 1e-3}
-    case = dict(kind="verify", n=1, t=2, jax=stats, hf=stats, ratio=stats, jax_b2b=stats, hf_b2b=stats,
-                ratio_b2b=stats, jax_first_s=1.0, jax_device_s=1e-3, max_abs_logit=5.0, ratio_of_medians=1.0,
-                hf_over_jax=1.0, hf_over_jax_b2b=1.0)
+    case = dict(
+        kind="verify",
+        n=1,
+        t=2,
+        jax=stats,
+        hf=stats,
+        ratio=stats,
+        jax_b2b=stats,
+        hf_b2b=stats,
+        ratio_b2b=stats,
+        jax_first_s=1.0,
+        jax_device_s=1e-3,
+        max_abs_logit=5.0,
+        ratio_of_medians=1.0,
+        hf_over_jax=1.0,
+        hf_over_jax_b2b=1.0,
+    )
     hf = {"transformers": "5", "torch": "2", "attn_implementation": "sdpa", "experts_implementation": "x", "threads": 1}
-    run = {"model": "tiny", "context_tokens": 128, "repeats": 1, "warmup": 0, "block": 1, "hf": hf, "cases": [dict(case, max_abs_diff=2e-5), dict(case, max_abs_diff=4.2)]}
+    run = {
+        "model": "tiny",
+        "context_tokens": 128,
+        "repeats": 1,
+        "warmup": 0,
+        "block": 1,
+        "hf": hf,
+        "cases": [dict(case, max_abs_diff=2e-5), dict(case, max_abs_diff=4.2)],
+    }
     rows = [line for line in report.hf_table(run).splitlines() if line.startswith("verify")]
     assert len(rows) == 2 and "LOGITS DIFFER" not in rows[0] and "LOGITS DIFFER" in rows[1]

@@ -3,6 +3,7 @@
 The worked vectors are the unit counts of the memory spec's boot-ledger examples (dense 27B at
 one slot with K = 4; MoE 35B-A3B at eight slots with K = 2).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,12 +33,12 @@ class Arch:
 
 
 def settings(**raw):
-    raw = {k: str(v) if k in ("max_batch_size", "ssm_decode_ring_slots") else v
-           for k, v in raw.items()}
+    raw = {k: str(v) if k in ("max_batch_size", "ssm_decode_ring_slots") else v for k, v in raw.items()}
     return resolve_settings(raw, None, auto_slots=8)
 
 
 # ---- K ladder text ----
+
 
 def test_parse_default_ladder_text_and_round_trip():
     assert parse_k_ladder("4:3,8:3,16:1,32:1") == DEFAULT_K_LADDER
@@ -45,25 +46,29 @@ def test_parse_default_ladder_text_and_round_trip():
     assert parse_k_ladder(format_k_ladder(DEFAULT_K_LADDER)) == DEFAULT_K_LADDER
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("", "empty"),
-    ("4", "not n_max:drafts"),
-    ("4:3,", "not n_max:drafts"),
-    ("a:b", "not n_max:drafts"),
-    ("4:3;8:1", "not n_max:drafts"),
-    ("-1:2", "not n_max:drafts"),
-    ("4:3:1", "not n_max:drafts"),
-    ("0:1", ">= 1"),
-    ("4:0", ">= 1"),
-    ("8:3,4:1", "must increase"),
-    ("4:3,4:1", "must increase"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("", "empty"),
+        ("4", "not n_max:drafts"),
+        ("4:3,", "not n_max:drafts"),
+        ("a:b", "not n_max:drafts"),
+        ("4:3;8:1", "not n_max:drafts"),
+        ("-1:2", "not n_max:drafts"),
+        ("4:3:1", "not n_max:drafts"),
+        ("0:1", ">= 1"),
+        ("4:0", ">= 1"),
+        ("8:3,4:1", "must increase"),
+        ("4:3,4:1", "must increase"),
+    ],
+)
 def test_malformed_ladder_is_refused_whole(spec, needle):
     with pytest.raises(ValueError, match=needle):
         parse_k_ladder(spec)
 
 
 # ---- ladder_drafts / verify_slot_drafts ----
+
 
 def test_ladder_drafts_first_step_wins_and_last_step_applies_past_the_end():
     got = {n: ladder_drafts(n, 3, DEFAULT_K_LADDER) for n in (1, 4, 5, 8, 9, 16, 17, 32, 33, 500)}
@@ -104,9 +109,23 @@ def test_mtp_state_slots_floor_of_32_capped_by_slots():
 
 # ---- widths, blocks, chunks ----
 
+
 def test_bucket_width_pads_to_the_next_rung():
-    assert [bucket_width(n) for n in (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 128)] == \
-        [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 128]
+    assert [bucket_width(n) for n in (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 128)] == [
+        1,
+        2,
+        4,
+        8,
+        12,
+        16,
+        24,
+        32,
+        48,
+        64,
+        96,
+        128,
+        128,
+    ]
     assert all(bucket_width(w) == w for w in DECODE_BATCH_LADDER)
     for bad in (0, 129):
         with pytest.raises(ValueError):
@@ -117,17 +136,21 @@ def test_kv_blocks_two_sequences_of_256k_at_block_16():
     assert kv_blocks_for(2, 256 * 1024, 16) == 32_771
 
 
-@pytest.mark.parametrize("mpt, msl, bs, want", [
-    (8192, 32768, 16, 8192),     # unset: 8192
-    (8192, 4096, 16, 4096),      # unset: capped by the context
-    (10000, 4096, 16, 10000),    # set by the user: taken as is
-    (100_000, 262144, 16, 65520),  # over 65535: whole blocks below it
-])
+@pytest.mark.parametrize(
+    "mpt, msl, bs, want",
+    [
+        (8192, 32768, 16, 8192),  # unset: 8192
+        (8192, 4096, 16, 4096),  # unset: capped by the context
+        (10000, 4096, 16, 10000),  # set by the user: taken as is
+        (100_000, 262144, 16, 65520),  # over 65535: whole blocks below it
+    ],
+)
 def test_prefill_chunk(mpt, msl, bs, want):
     assert prefill_chunk_tokens(mpt, msl, bs) == want
 
 
 # ---- pool_counts ----
+
 
 def test_without_speculation_there_are_no_verify_pools():
     c = pool_counts(settings(max_batch_size=8), Arch())
@@ -144,7 +167,12 @@ def test_sixteen_slots_three_drafts_tiered_h_rows_and_flat_offsets():
     assert c.h_steps == (3,) * 8 + (1,) * 8 + (3,)
     assert c.h_step_offsets == (0, 3, 6, 9, 12, 15, 18, 21, 24, 25, 26, 27, 28, 29, 30, 31, 32, 35)
     assert c.h_step_rows == 35
-    assert (c.conv_steps, c.checkpoint_slots, c.stash_rows, c.ring_slots) == (4, 17, 17, 0)  # stash: one row per slot, the dummy included
+    assert (c.conv_steps, c.checkpoint_slots, c.stash_rows, c.ring_slots) == (
+        4,
+        17,
+        17,
+        0,
+    )  # stash: one row per slot, the dummy included
     assert [c.slot_draft_capacity(s) for s in range(16)] == [3] * 8 + [1] * 8
 
 
@@ -157,8 +185,7 @@ def test_slots_past_the_mtp_slots_share_the_verify_dummy_and_carry_no_drafts():
 
 
 def test_replay_keeps_no_intermediates_but_the_ladder_still_caps_drafts():
-    c = pool_counts(settings(max_batch_size=12, speculative=True, num_drafts=3,
-                             ssm_rollback_mode="replay"), Arch())
+    c = pool_counts(settings(max_batch_size=12, speculative=True, num_drafts=3, ssm_rollback_mode="replay"), Arch())
     assert c.h_steps == (0,) * 13 and c.h_step_rows == 0 and c.conv_steps == 0
     assert c.checkpoint_slots == 13
     assert [c.slot_draft_capacity(s) for s in (0, 7, 8, 11)] == [3, 3, 1, 1]
@@ -174,8 +201,7 @@ def test_worked_vector_dense_27b_one_slot_k4():
 
 def test_worked_vector_moe_35b_eight_slots_k2():
     """Spec: per layer h (9+9+9) units, conv (9+18+9) units."""
-    c = pool_counts(settings(max_batch_size=8, speculative=True, num_drafts=1, mtp_max_seqs=128),
-                    Arch())
+    c = pool_counts(settings(max_batch_size=8, speculative=True, num_drafts=1, mtp_max_seqs=128), Arch())
     assert c.k == 2 and c.mtp_slots == 8
     assert (c.slots, c.h_step_rows, c.checkpoint_slots) == (9, 9, 9)
     assert (c.slots, c.conv_steps * c.verify_slots, c.checkpoint_slots) == (9, 18, 9)
@@ -204,8 +230,7 @@ def test_kv_blocks_follow_tokens_per_seq_or_max_seq_len():
 
 def test_draft_kv_blocks_capped_by_the_mtp_dispatch_cap():
     p = 1000 // 16 + 1
-    wide = pool_counts(settings(max_batch_size=12, speculative=True, mtp_max_seqs=4), Arch(),
-                       tokens_per_seq=1000)
+    wide = pool_counts(settings(max_batch_size=12, speculative=True, mtp_max_seqs=4), Arch(), tokens_per_seq=1000)
     assert (wide.draft_block_size, wide.draft_kv_blocks) == (16, p * 4 + 1)
     narrow = pool_counts(settings(max_batch_size=2, speculative=True), Arch(), tokens_per_seq=1000)
     assert narrow.draft_kv_blocks == p * 2 + 1
@@ -214,11 +239,9 @@ def test_draft_kv_blocks_capped_by_the_mtp_dispatch_cap():
 
 
 def test_max_batch_tokens_covers_a_chunk_plus_every_slot_and_a_verify():
-    c = pool_counts(settings(max_batch_size=8, speculative=True, num_drafts=3,
-                             max_prefill_tokens=2), Arch())
+    c = pool_counts(settings(max_batch_size=8, speculative=True, num_drafts=3, max_prefill_tokens=2), Arch())
     assert c.prefill_chunk == 2 and c.max_batch_tokens == 10
-    c = pool_counts(settings(max_batch_size=1, speculative=True, num_drafts=3,
-                             max_prefill_tokens=1), Arch())
+    c = pool_counts(settings(max_batch_size=1, speculative=True, num_drafts=3, max_prefill_tokens=1), Arch())
     assert c.max_batch_tokens == 5  # K + 1 rows of a verify step
 
 

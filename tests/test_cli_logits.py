@@ -10,7 +10,9 @@ from metrale_jax_cli.main import cli
 
 def test_logits_writes_prompt_and_decode_rows(tmp_path):
     out = tmp_path / "l.npy"
-    r = CliRunner().invoke(cli, ["logits", "--checkpoint", "tiny", "--tokens", "5,6,7", "--decode", "2", "--out", str(out)])
+    r = CliRunner().invoke(
+        cli, ["logits", "--checkpoint", "tiny", "--tokens", "5,6,7", "--decode", "2", "--out", str(out)]
+    )
     assert r.exit_code == 0, r.output
     lg = np.load(out)
     assert lg.shape == (5, 256) and lg.dtype == np.float32

@@ -9,10 +9,21 @@ from metrale_jax.presets import TINY
 
 
 def _next(**kw):
-    d = {"model_type": "qwen3_next", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 8,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-         "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2}
+    d = {
+        "model_type": "qwen3_next",
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
     d.update(kw)
     return d
 
@@ -53,7 +64,9 @@ def test_qwen35_wrapper_and_moe_text():
 def test_hashable_and_round_trip():
     assert hash(TINY) == hash(from_hf_dict(TINY.to_hf_dict()))
     assert from_hf_dict(TINY.to_hf_dict()) == TINY
-    q35 = TINY.replace(model_type="qwen3_5_moe_text", trunk_prefix="model.language_model", weight_layout="qwen3_5", mlp_only_layers=())
+    q35 = TINY.replace(
+        model_type="qwen3_5_moe_text", trunk_prefix="model.language_model", weight_layout="qwen3_5", mlp_only_layers=()
+    )
     assert from_hf_dict(json.loads(json.dumps(q35.to_hf_dict()))) == q35
 
 
@@ -61,7 +74,10 @@ def test_hashable_and_round_trip():
     "raw, message",
     [
         ({"model_type": "llama"}, "unsupported model_type 'llama'"),
-        ({"model_type": "qwen3_next", "vocab_size": 1}, "lacks required field(s): hidden_size, num_hidden_layers, num_attention_heads"),
+        (
+            {"model_type": "qwen3_next", "vocab_size": 1},
+            "lacks required field(s): hidden_size, num_hidden_layers, num_attention_heads",
+        ),
         ({"model_type": "qwen3_5"}, "has no text_config"),
         (_next(layer_types=["linear_attention"]), "layer_types has 1 entries for 8 layers"),
         (_next(num_key_value_heads=3), "not a multiple of num_key_value_heads"),

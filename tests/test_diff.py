@@ -18,20 +18,35 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from conftest import FIXTURES, settings
 from diff_mutants import MutantEngine, mutant_variants
+
 from metrale_jax.diff import (
-    BIT_IDENTICAL, Bar, DiffRequest, DiffRequestError, Variant, bounded, render_summary, run_diff, to_json,
+    BIT_IDENTICAL,
+    Bar,
+    DiffRequest,
+    DiffRequestError,
+    Variant,
+    bounded,
+    render_summary,
+    run_diff,
+    to_json,
 )
 from metrale_jax.diff import variants as variants_mod
 from metrale_jax.diff.compare import Part, Run, compare, median_after_first, without_rows
 from metrale_jax.diff.prompts import batch_prompts, prompt_of_len, prompts
 from metrale_jax.diff.schedule import (
-    accept_coverage, batch_shapes, capped, control_row, dedup_consecutive, offsets, slot_of, step_drafts,
+    accept_coverage,
+    batch_shapes,
+    capped,
+    control_row,
+    dedup_consecutive,
+    offsets,
+    slot_of,
+    step_drafts,
 )
-from metrale_jax.engine.speculative import accepted_drafts as accepted
 from metrale_jax.engine.capacity import pool_counts
+from metrale_jax.engine.speculative import accepted_drafts as accepted
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli import diff_cmd
 
@@ -40,6 +55,7 @@ MOE = os.path.join(FIXTURES, "hf", "qwen3_next_moe")
 
 
 # ---------------------------------------------------------------- the seed's unit cases
+
 
 def test_shapes_cover_every_width_then_one_ragged_mix():
     assert batch_shapes(2, [4]) == [[4, 4]]
@@ -94,6 +110,7 @@ def test_prompts_are_the_originals_fixed_lcg_streams():
 
 # ---------------------------------------------------------------- the comparison
 
+
 def _run(*steps, prefill=None):
     pre = [Part("logits", np.zeros((1, 4), np.float32) if prefill is None else prefill, "logits")]
     return Run(pre, [[Part("logits", np.asarray(s, np.float32), "logits")] for s in steps])
@@ -132,17 +149,21 @@ def test_rows_left_out_and_timing_medians():
 
 # ---------------------------------------------------------------- requests
 
-@pytest.mark.parametrize("request_, message", [
-    (DiffRequest(steps=4, batch=(2,), verify=(2,)), "--batch and --verify are separate diffs"),
-    (DiffRequest(steps=1), "--steps must be at least 2"),
-    (DiffRequest(steps=4, mtp=True), "--mtp runs the drafter"),
-    (DiffRequest(steps=4, verify_batch=(1,), verify_batch_ks=(2,)), "a batch is at least 2"),
-    (DiffRequest(steps=4, verify=(5,)), "K must be in 2..4"),
-    (DiffRequest(steps=4, verify_batch=(2,)), "need each other"),
-    (DiffRequest(steps=4, prefill_chunk=(8,)), "--prefill-chunk needs --prefill"),
-    (DiffRequest(steps=3, swap=True), "--swap needs at least 4 steps"),
-    (DiffRequest(steps=4, verify=(2,), fragment_slots=True), "--fragment-slots applies"),
-])
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (DiffRequest(steps=4, batch=(2,), verify=(2,)), "--batch and --verify are separate diffs"),
+        (DiffRequest(steps=1), "--steps must be at least 2"),
+        (DiffRequest(steps=4, mtp=True), "--mtp runs the drafter"),
+        (DiffRequest(steps=4, verify_batch=(1,), verify_batch_ks=(2,)), "a batch is at least 2"),
+        (DiffRequest(steps=4, verify=(5,)), "K must be in 2..4"),
+        (DiffRequest(steps=4, verify_batch=(2,)), "need each other"),
+        (DiffRequest(steps=4, prefill_chunk=(8,)), "--prefill-chunk needs --prefill"),
+        (DiffRequest(steps=3, swap=True), "--swap needs at least 4 steps"),
+        (DiffRequest(steps=4, verify=(2,), fragment_slots=True), "--fragment-slots applies"),
+    ],
+)
 def test_bad_requests_are_refused_with_one_line(request_, message):
     with pytest.raises(DiffRequestError, match=message):
         request_.check()
@@ -153,21 +174,34 @@ def _stub_engine(**settings_):
     return SimpleNamespace(settings=SimpleNamespace(**{**base, **settings_}), drafter=True)
 
 
-@pytest.mark.parametrize("request_, engine, message", [
-    (DiffRequest(steps=4, verify_batch=(4,), verify_batch_ks=(2,), fragment_slots=True), _stub_engine(max_batch_size=4),
-     "holds 5 sequences at once: it needs --max-batch-size >= 5 (got 4)"),
-    (DiffRequest(steps=40, verify=(4,)), _stub_engine(), "it needs --max-seq-len >= 189 (got 128)"),
-    (DiffRequest(steps=4, verify=(2,), mtp=True), SimpleNamespace(**{**vars(_stub_engine()), "drafter": False}),
-     "--mtp needs a checkpoint with an MTP layer"),
-    (DiffRequest(steps=4, verify_batch=(2,), verify_batch_ks=(3,)), _stub_engine(num_drafts=1),
-     "--verify-batch-ks 3 needs --num-drafts >= 2 (got 1)"),
-])
+@pytest.mark.parametrize(
+    "request_, engine, message",
+    [
+        (
+            DiffRequest(steps=4, verify_batch=(4,), verify_batch_ks=(2,), fragment_slots=True),
+            _stub_engine(max_batch_size=4),
+            "holds 5 sequences at once: it needs --max-batch-size >= 5 (got 4)",
+        ),
+        (DiffRequest(steps=40, verify=(4,)), _stub_engine(), "it needs --max-seq-len >= 189 (got 128)"),
+        (
+            DiffRequest(steps=4, verify=(2,), mtp=True),
+            SimpleNamespace(**{**vars(_stub_engine()), "drafter": False}),
+            "--mtp needs a checkpoint with an MTP layer",
+        ),
+        (
+            DiffRequest(steps=4, verify_batch=(2,), verify_batch_ks=(3,)),
+            _stub_engine(num_drafts=1),
+            "--verify-batch-ks 3 needs --num-drafts >= 2 (got 1)",
+        ),
+    ],
+)
 def test_requests_an_engine_cannot_serve_are_refused(request_, engine, message):
     with pytest.raises(DiffRequestError, match=re.escape(message)):
         request_.check_engine(engine)
 
 
 # ---------------------------------------------------------------- every mode, two checkpoints
+
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny):
@@ -178,8 +212,9 @@ def tiny_engine(tiny):
 @pytest.fixture(scope="module")
 def moe_engine():
     cfg, params = resolve_checkpoint(MOE)
-    return MutantEngine(cfg, params, settings(max_batch_size=8, max_seq_len=128, speculative=True, num_drafts=3,
-                                              kv_cache_dtype="fp8"))
+    return MutantEngine(
+        cfg, params, settings(max_batch_size=8, max_seq_len=128, speculative=True, num_drafts=3, kv_cache_dtype="fp8")
+    )
 
 
 MODES = {
@@ -225,12 +260,16 @@ def test_each_mode_passes_with_a_control_that_fires(request, checkpoint, mode):
 
 # ---------------------------------------------------------------- detection power
 
+
 def test_planted_state_bugs_each_fail_naming_their_step(tiny_engine):
     """Each planted bug (replay forward only) FAILs, first at the step its bug first shows:
     the step after the first partial accept for the verdict bugs, the first propose for the
     drafter's, step 0 for the slot mix-up."""
-    report = run_diff(tiny_engine, DiffRequest(steps=4, verify_batch=(3,), verify_batch_ks=(4,), mtp=True),
-                      XLA_REPEAT + mutant_variants())
+    report = run_diff(
+        tiny_engine,
+        DiffRequest(steps=4, verify_batch=(3,), verify_batch_ks=(4,), mtp=True),
+        XLA_REPEAT + mutant_variants(),
+    )
     shape = report["shapes"][0]
     first_partial = min(s for s, acc in enumerate(shape["accepted"]) if any(a < 3 for a in acc))
     expected = {
@@ -247,27 +286,33 @@ def test_planted_state_bugs_each_fail_naming_their_step(tiny_engine):
     for name, c in got.items():
         where = c["first_violation"]
         assert not c["ok"] and (where["step"], where["part"]) == expected[name], name
-        assert any(r.startswith(f"verify-batch n=3 ks=[4, 4, 4], {name}") and f"first at step {expected[name][0]}," in r
-                   for r in report["reasons"]), name
+        assert any(
+            r.startswith(f"verify-batch n=3 ks=[4, 4, 4], {name}") and f"first at step {expected[name][0]}," in r
+            for r in report["reasons"]
+        ), name
 
 
 # ---------------------------------------------------------------- the command
+
 
 def _cli(*args):
     return CliRunner().invoke(diff_cmd.diff, ["--checkpoint", "tiny", "--out", "unused.json", *args])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "4", "--batch", "2", "--swap"], "--batch and --swap are separate diffs"),
-    (["--steps", "4", "--mtp"], "--mtp runs the drafter"),
-    (["--steps", "4", "--verify-batch", "1", "--verify-batch-ks", "2"], "a batch is at least 2"),
-    (["--steps", "4", "--verify", "5"], "K must be in 2..4"),
-    (["--steps", "4", "--batch", "2,x"], "--batch takes comma-separated integers"),
-    (["--steps", "4", "--verify", "4", "--speculative"], "--verify 4 needs --num-drafts >= 3 (got 1)"),
-    (["--steps", "4", "--verify", "2"], "--verify verifies drafts: it needs --speculative"),
-    (["--steps", "4", "--forwards", "cuda"], "--forwards: unknown cuda"),
-    (["--steps", "4", "--checkpoint", "/nonexistent/dir"], "neither a preset"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "4", "--batch", "2", "--swap"], "--batch and --swap are separate diffs"),
+        (["--steps", "4", "--mtp"], "--mtp runs the drafter"),
+        (["--steps", "4", "--verify-batch", "1", "--verify-batch-ks", "2"], "a batch is at least 2"),
+        (["--steps", "4", "--verify", "5"], "K must be in 2..4"),
+        (["--steps", "4", "--batch", "2,x"], "--batch takes comma-separated integers"),
+        (["--steps", "4", "--verify", "4", "--speculative"], "--verify 4 needs --num-drafts >= 3 (got 1)"),
+        (["--steps", "4", "--verify", "2"], "--verify verifies drafts: it needs --speculative"),
+        (["--steps", "4", "--forwards", "cuda"], "--forwards: unknown cuda"),
+        (["--steps", "4", "--checkpoint", "/nonexistent/dir"], "neither a preset"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_clear_line(args, message):
     result = _cli(*args)
     assert result.exit_code == 2, result.output
@@ -295,11 +340,22 @@ def test_the_command_writes_the_report_and_prints_the_summary(tmp_path):
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_a_failing_diff_exits_1(tmp_path, monkeypatch, as_json):
-    failing = {"mode": "prefill", "graphs": "jit", "steps": 2, "variants": [], "lengths": [],
-               "verdict": "FAIL", "reasons": ["planted"], "wall_s": 0.0}
+    failing = {
+        "mode": "prefill",
+        "graphs": "jit",
+        "steps": 2,
+        "variants": [],
+        "lengths": [],
+        "verdict": "FAIL",
+        "reasons": ["planted"],
+        "wall_s": 0.0,
+    }
     monkeypatch.setattr(diff_cmd, "run_diff", lambda *a, **k: dict(failing))
-    result = CliRunner().invoke(diff_cmd.diff, ["--checkpoint", "tiny", "--steps", "2", "--prefill", "8",
-                                                "--out", str(tmp_path / "r.json")] + ["--json"] * as_json)
+    result = CliRunner().invoke(
+        diff_cmd.diff,
+        ["--checkpoint", "tiny", "--steps", "2", "--prefill", "8", "--out", str(tmp_path / "r.json")]
+        + ["--json"] * as_json,
+    )
     assert result.exit_code == 1
     if as_json:
         assert json.loads(result.stdout)["reasons"] == ["planted"]

@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
-
 from conftest import settings
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
@@ -173,7 +175,9 @@ def _poison_except(pool, eng, seqs):
     own_slots = {s.slot for s in seqs}
     own_blocks = {b for s in seqs for b in s.blocks}
     own_dblocks = {b for s in seqs for b in s.draft_blocks}
-    own_vrows = {r for s in seqs for r in range(eng.counts.h_step_offsets[s.slot], eng.counts.h_step_offsets[s.slot + 1])}
+    own_vrows = {
+        r for s in seqs for r in range(eng.counts.h_step_offsets[s.slot], eng.counts.h_step_offsets[s.slot + 1])
+    }
 
     def poison(a, axis, keep):
         a = np.array(a)
@@ -185,12 +189,19 @@ def _poison_except(pool, eng, seqs):
 
     t = pool.trunk
     t = t.replace(
-        gdn_h=poison(t.gdn_h, 1, own_slots), gdn_conv=poison(t.gdn_conv, 1, own_slots),
-        kv_k=poison(t.kv_k, 1, own_blocks), kv_v=poison(t.kv_v, 1, own_blocks),
-        verify_h=poison(t.verify_h, 1, own_vrows), verify_conv=poison(t.verify_conv, 1, own_slots),
+        gdn_h=poison(t.gdn_h, 1, own_slots),
+        gdn_conv=poison(t.gdn_conv, 1, own_slots),
+        kv_k=poison(t.kv_k, 1, own_blocks),
+        kv_v=poison(t.kv_v, 1, own_blocks),
+        verify_h=poison(t.verify_h, 1, own_vrows),
+        verify_conv=poison(t.verify_conv, 1, own_slots),
     )
-    return pool.replace(trunk=t, stash=poison(pool.stash, 0, own_slots),
-                        draft_k=poison(pool.draft_k, 1, own_dblocks), draft_v=poison(pool.draft_v, 1, own_dblocks))
+    return pool.replace(
+        trunk=t,
+        stash=poison(pool.stash, 0, own_slots),
+        draft_k=poison(pool.draft_k, 1, own_dblocks),
+        draft_v=poison(pool.draft_v, 1, own_dblocks),
+    )
 
 
 def _run_isolated(eng, greedy_ref, poison):
@@ -265,8 +276,15 @@ def test_drafter_chains_its_own_normed_hidden(eng, tiny):
     state = cache.replace(kv_k=cache.kv_k[:1], kv_v=cache.kv_v[:1])
 
     def io(pos):
-        return PoolIO(cfg=cfg, slots=None, lens=None, positions=jnp.asarray([pos], jnp.int32),
-                      block_tables=jnp.zeros((1, 1), jnp.int32), null_block=1, gdn_mode="rows")
+        return PoolIO(
+            cfg=cfg,
+            slots=None,
+            lens=None,
+            positions=jnp.asarray([pos], jnp.int32),
+            block_tables=jnp.zeros((1, 1), jnp.int32),
+            null_block=1,
+            gdn_mode="rows",
+        )
 
     toks = jnp.asarray([PROMPT[1:] + [last]])
     m, logits, state = mtp_forward(params, cfg, toks, final_norm(params, cfg, hidden), io(list(range(n))), state)
@@ -323,7 +341,7 @@ def test_zero_recompiles_in_a_ragged_verify_loop(eng, greedy_ref):
             if step == 3:
                 before, compiles[:] = eng.programs.compilations, []
             ks = pattern[step % 3]
-            rows = [[last[i], *greedy_ref[1:ks[i]]] for i in range(3)]
+            rows = [[last[i], *greedy_ref[1 : ks[i]]] for i in range(3)]
             na = [(step + i) % k for i, k in enumerate(ks)]
             _, am = _step(eng, seqs, rows, na)
             eng.propose_batched(seqs, last, 3)
@@ -342,8 +360,11 @@ def test_replay_rollback_matches_snapshot(eng, tiny, greedy_ref):
     the write-on-accept snapshot commits, and an abandoned verify rolls back to the pre-verify
     state exactly."""
     cfg, params = tiny
-    rep = Engine(cfg, params, settings(max_batch_size=2, max_seq_len=256, speculative=True, num_drafts=3,
-                                       ssm_rollback_mode="replay"))
+    rep = Engine(
+        cfg,
+        params,
+        settings(max_batch_size=2, max_seq_len=256, speculative=True, num_drafts=3, ssm_rollback_mode="replay"),
+    )
     assert rep.pool.trunk.verify_h is None and rep.pool.ckpt_h is not None
     results = []
     for e in (eng, rep):
@@ -372,6 +393,7 @@ def test_speculative_equals_greedy_on_a_loaded_checkpoint():
     import os
 
     from conftest import FIXTURES
+
     from metrale_jax.checkpoint import load_checkpoint
 
     cfg, params = load_checkpoint(os.path.join(FIXTURES, "hf", "qwen3_next_moe"), np.float32)

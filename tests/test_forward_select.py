@@ -20,12 +20,11 @@ Claims:
 
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 import pytest
-
 from conftest import settings
+
 from kernels_pallas.ops import PallasOps
 from metrale_jax.engine.engine import Engine
 
@@ -96,7 +95,9 @@ def _scenario(eng: Engine) -> dict:
 
 def _engine(tiny, forward: str) -> Engine:
     cfg, params = tiny
-    return Engine(cfg, params, settings(max_batch_size=4, max_seq_len=256, speculative=True, num_drafts=3), forward=forward)
+    return Engine(
+        cfg, params, settings(max_batch_size=4, max_seq_len=256, speculative=True, num_drafts=3), forward=forward
+    )
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +177,9 @@ def test_wide_verify_prefill_byte_equal_verify_within_ulps(tiny):
     rows = rng.integers(0, cfg.vocab_size, size=(8, 4)).tolist()
     got = {}
     for f in FORWARDS:
-        eng = Engine(cfg, params, settings(max_batch_size=8, max_seq_len=160, speculative=True, num_drafts=3), forward=f)
+        eng = Engine(
+            cfg, params, settings(max_batch_size=8, max_seq_len=160, speculative=True, num_drafts=3), forward=f
+        )
         seqs = [eng.alloc_sequence() for _ in prompts]
         prefill = {f"logits{i}": eng.prefill(s, p) for i, (s, p) in enumerate(zip(seqs, prompts))}
         prefill_pool = _pool(eng)
@@ -193,7 +196,8 @@ def test_wide_verify_prefill_byte_equal_verify_within_ulps(tiny):
         if pool_x[path].dtype.kind == "f":
             finite = np.isfinite(pool_x[path])  # unwritten rows may hold anything, alike on both sides
             np.testing.assert_array_equal(finite, np.isfinite(pool_p[path]), err_msg=f"pool{path}")
-            np.testing.assert_allclose(pool_p[path][finite], pool_x[path][finite], rtol=0, atol=WIDE_VERIFY_ATOL,
-                                       err_msg=f"pool{path}")
+            np.testing.assert_allclose(
+                pool_p[path][finite], pool_x[path][finite], rtol=0, atol=WIDE_VERIFY_ATOL, err_msg=f"pool{path}"
+            )
         else:
             np.testing.assert_array_equal(pool_p[path], pool_x[path], err_msg=f"pool{path}")

@@ -9,8 +9,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import FIXTURES, settings
+
 from metrale_jax.checkpoint import load_checkpoint
 from metrale_jax.engine.engine import Engine
 from metrale_jax.model.cache import prefill_and_decode

@@ -7,10 +7,10 @@ import os
 import sys
 
 import pytest
+from test_kernels_lowering import TRITON, export_cuda
 
 from kernels_pallas.gdn import api as gdn_api
 from kernels_pallas.paged_attention import api as attn_api
-from test_kernels_lowering import TRITON, export_cuda
 
 _path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.py")
 _spec = importlib.util.spec_from_file_location("gpu_check", _path)
@@ -24,7 +24,7 @@ def test_dry_run_passes(capsys):
     assert gpu_check.main(["--dry-run", "--iters", "1"]) == 0
     table = capsys.readouterr().out.strip().splitlines()
     assert "DRY RUN" in table[0]
-    assert [line.split()[-1] for line in table[-len(gpu_check.CASES):]] == ["ok"] * len(gpu_check.CASES)
+    assert [line.split()[-1] for line in table[-len(gpu_check.CASES) :]] == ["ok"] * len(gpu_check.CASES)
 
 
 @pytest.mark.parametrize("case", gpu_check.CASES, ids=lambda c: c.name)

@@ -18,7 +18,8 @@ from jax.sharding import AbstractMesh, AxisType
 
 from kernels_pallas import common
 from kernels_pallas.common import KernelRefused
-from kernels_pallas.gdn import api as gdn_api, pallas_gpu as gdn_kernels
+from kernels_pallas.gdn import api as gdn_api
+from kernels_pallas.gdn import pallas_gpu as gdn_kernels
 from kernels_pallas.ops import PallasOps
 from kernels_pallas.paged_attention import api as attn_api
 
@@ -31,7 +32,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 TRITON = "__gpu$xla.gpu.triton"
 H200 = AbstractMesh(
-    (1,), ("x",), axis_types=(AxisType.Explicit,),
+    (1,),
+    ("x",),
+    axis_types=(AxisType.Explicit,),
     abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda"),
 )
 S = jax.ShapeDtypeStruct
@@ -70,11 +73,24 @@ def assert_pow2_tensors(asm: str):
 
 def gdn_args(b, t, h, hk=16, dk=128, dv=128):
     f32 = jnp.float32
-    return (S((b, t, hk, dk), f32), S((b, t, hk, dk), f32), S((b, t, h, dv), f32), S((b, t, h), f32), S((b, t, h), f32), S((b, h, dk, dv), f32))
+    return (
+        S((b, t, hk, dk), f32),
+        S((b, t, hk, dk), f32),
+        S((b, t, h, dv), f32),
+        S((b, t, h), f32),
+        S((b, t, h), f32),
+        S((b, h, dk, dv), f32),
+    )
 
 
 def attn_args(b, t, h, kvh, d, bs=16, nb=512, mb=64, dtype=jnp.bfloat16):
-    return (S((b, t, h, d), dtype), S((nb, bs, kvh, d), dtype), S((nb, bs, kvh, d), dtype), S((b, mb), jnp.int32), S((b, t), jnp.int32))
+    return (
+        S((b, t, h, d), dtype),
+        S((nb, bs, kvh, d), dtype),
+        S((nb, bs, kvh, d), dtype),
+        S((b, mb), jnp.int32),
+        S((b, t), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("h", [32, 64])
@@ -131,8 +147,14 @@ def test_pallas_ops_lowers_every_kernel(triton_ir):
 def test_refused_before_lowering(triton_ir, kernel, args, needle):
     """Triton rejects these shapes at lowering; the api refuses them first, with the reason."""
     api_fn, forced = {
-        "gdn_rows": (gdn_api.recurrent_gated_delta_rule, functools.partial(gdn_kernels.recurrent_gated_delta_rule, block_v=32)),
-        "gdn_chunk": (gdn_api.chunk_gated_delta_rule, functools.partial(gdn_kernels.chunk_gated_delta_rule, block_v=64)),
+        "gdn_rows": (
+            gdn_api.recurrent_gated_delta_rule,
+            functools.partial(gdn_kernels.recurrent_gated_delta_rule, block_v=32),
+        ),
+        "gdn_chunk": (
+            gdn_api.chunk_gated_delta_rule,
+            functools.partial(gdn_kernels.chunk_gated_delta_rule, block_v=64),
+        ),
         "attention": (
             functools.partial(attn_api.paged_attention, scale=0.1),
             functools.partial(attn_api.pallas_gpu.paged_attention, scale=0.1, block_rows=16, pages=4),

@@ -26,7 +26,9 @@ def test_is_a_static_ops_object():
     with pytest.raises(AttributeError):
         ops.interpret = False
     for name in ("gdn_chunk", "gdn_rows", "write_kv", "attention"):
-        assert list(inspect.signature(getattr(PallasOps, name)).parameters) == list(inspect.signature(getattr(ReferenceOps, name)).parameters)
+        assert list(inspect.signature(getattr(PallasOps, name)).parameters) == list(
+            inspect.signature(getattr(ReferenceOps, name)).parameters
+        )
 
 
 def test_methods_match_reference_ops():
@@ -39,8 +41,9 @@ def test_methods_match_reference_ops():
     inputs = testing.attention_inputs(rng, np.float32, b=2, t=3, h=4, kvh=2, d=16, bs=4, nb=12, mb=4, starts=[2, 9])
     q, kc, vc, tables, pos = map(jnp.asarray, inputs)
     kc, vc = ops.write_kv(kc, vc, q[:, :, :2], q[:, :, 2:], tables, pos, 11)
-    np.testing.assert_array_equal(np.asarray(ops.attention(q, kc, vc, tables, pos, 0.25)),
-                                  np.asarray(ref.attention(q, kc, vc, tables, pos, 0.25)))
+    np.testing.assert_array_equal(
+        np.asarray(ops.attention(q, kc, vc, tables, pos, 0.25)), np.asarray(ref.attention(q, kc, vc, tables, pos, 0.25))
+    )
 
 
 def test_refusal_falls_back_and_is_recorded():

@@ -38,7 +38,9 @@ ref_attention = jax.jit(reference.paged_attention, static_argnums=5)
 
 @functools.cache
 def _kernel(block_rows=None, form=None):
-    return jax.jit(functools.partial(api.paged_attention, scale=SCALE, interpret=True, block_rows=block_rows, form=form))
+    return jax.jit(
+        functools.partial(api.paged_attention, scale=SCALE, interpret=True, block_rows=block_rows, form=form)
+    )
 
 
 def _inputs(case, h, kvh, dtype, seed=0):
@@ -122,7 +124,10 @@ def test_nan_outside_live_keys_not_read(case):
     positions_pad = positions.copy()
     positions_pad[1] = -1
     others = np.where(np.isin(np.arange(NB), tables[1])[:, None, None, None], np.nan, kc).astype(kc.dtype)
-    for out in (_kernel()(q, others, vc, tables, positions_pad), ref_attention(q, others, vc, tables, positions_pad, SCALE)):
+    for out in (
+        _kernel()(q, others, vc, tables, positions_pad),
+        ref_attention(q, others, vc, tables, positions_pad, SCALE),
+    ):
         assert (_f32(out)[1] == 0).all()
         _assert_bytes_equal(np.asarray(out)[[0, 2]], np.asarray(clean)[[0, 2]])
 
@@ -203,7 +208,13 @@ def test_kv_write_is_the_reference_scatter():
 
 def _shapes(b=4, t=4, h=16, kvh=2, d=256, bs=16, nb=64, mb=32, dtype=jnp.bfloat16):
     s = jax.ShapeDtypeStruct
-    return s((b, t, h, d), dtype), s((nb, bs, kvh, d), dtype), s((nb, bs, kvh, d), dtype), s((b, mb), jnp.int32), s((b, t), jnp.int32)
+    return (
+        s((b, t, h, d), dtype),
+        s((nb, bs, kvh, d), dtype),
+        s((nb, bs, kvh, d), dtype),
+        s((b, mb), jnp.int32),
+        s((b, t), jnp.int32),
+    )
 
 
 def test_supported_at_model_shapes():

@@ -2,8 +2,8 @@
 
 import jax
 import numpy as np
-
 from conftest import settings
+
 from metrale_jax.config import FULL, LINEAR
 from metrale_jax.engine.engine import Engine
 from metrale_jax.model.cache import prefill_and_decode
@@ -28,7 +28,9 @@ def test_stacked_params_have_a_group_axis():
     np.testing.assert_array_equal(stacked["layer_groups"][3]["attn"]["w_in"][1], params["layers"][7]["attn"]["w_in"])
     tiny = init_params(TINY, 0)
     assert stack_layer_groups(tiny, TINY) is tiny  # no repetition: the list layout stays
-    assert sum(x.size for x in jax.tree_util.tree_leaves(stacked)) == sum(x.size for x in jax.tree_util.tree_leaves(params))
+    assert sum(x.size for x in jax.tree_util.tree_leaves(stacked)) == sum(
+        x.size for x in jax.tree_util.tree_leaves(params)
+    )
 
 
 def test_engine_scan_layout_matches_list_layout():

@@ -6,6 +6,7 @@ checked against a compiled program); the analyses are cached on disk; `--no-acti
 them. Compilation dominates: every test shares one cache directory (module scope), and the
 workload `ISL 1 + OSL 511` makes every probe of the tiny-mtp serve the headline's own shapes.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,20 @@ from metrale_jax_cli.memory_cmd import memory, plan
 
 #: ISL + OSL = the tiny-mtp recipe's max_model_len (512): the planner's KV pools are then the
 #: Engine's own (it sizes them for max_seq_len), and the max-ISL search has one point.
-ARGS = ["--checkpoint", "tiny", "--device", "H200", "--isl", "1", "--osl", "511",
-        "--concurrency", "12", "--recipe", "metrale-jax/tiny-mtp"]
+ARGS = [
+    "--checkpoint",
+    "tiny",
+    "--device",
+    "H200",
+    "--isl",
+    "1",
+    "--osl",
+    "511",
+    "--concurrency",
+    "12",
+    "--recipe",
+    "metrale-jax/tiny-mtp",
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +98,7 @@ def test_activation_figure_equals_the_engines_compiled_programs(report):
     engine = _engine_programs(ev.settings)
     for p in act.programs:
         ma = engine[p.name].memory_analysis()
-        assert (p.temp, p.outputs) == (ma.temp_size_in_bytes,
-                                       ma.output_size_in_bytes - ma.alias_size_in_bytes), p.name
+        assert (p.temp, p.outputs) == (ma.temp_size_in_bytes, ma.output_size_in_bytes - ma.alias_size_in_bytes), p.name
     assert act.bytes == max(p.temp + p.outputs for p in act.programs) > 0
     assert ev.device_total == ev.weight_bytes + ev.pool_bytes + act.bytes + ev.runtime
 
@@ -96,15 +108,12 @@ def test_second_run_is_served_from_the_disk_cache(report, cache):
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
     a = d["activations"]
-    assert a["run"] == {"compiled": 0, "compile_seconds": 0.0, "cache_hits": 4,
-                        "cache_dir": str(cache)}
+    assert a["run"] == {"compiled": 0, "compile_seconds": 0.0, "cache_hits": 4, "cache_dir": str(cache)}
     assert [p["source"] for p in a["programs"]] == ["cache"] * 4
-    assert [p["temp_bytes"] for p in a["programs"]] == [
-        p.temp for p in report.evaluation.activations.programs]
+    assert [p["temp_bytes"] for p in a["programs"]] == [p.temp for p in report.evaluation.activations.programs]
     t = d["totals"]
     assert t["activations"] == a["bytes"] == max(p["bytes"] for p in a["programs"])
-    assert t["device_total"] == (t["weights"] + sum(t["pools"].values()) + t["activations"]
-                                 + t["runtime_reserve"])
+    assert t["device_total"] == (t["weights"] + sum(t["pools"].values()) + t["activations"] + t["runtime_reserve"])
     assert a["backend"] == jax.default_backend()
     assert f"backend {jax.default_backend()}" in CliRunner().invoke(memory, ARGS).stdout
 

@@ -4,6 +4,7 @@ Every bad input must give exit code 2 and one `error:` line per problem on stder
 These runs skip the activations (`--no-activations`: compiling the step programs); they have
 their own tests in test_memory_activations.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,12 @@ def run(*args: str):
 
 
 def tiny(*extra: str, isl="100", osl="50", c="4", recipe="metrale-jax/tiny-mtp"):
-    base = ["--checkpoint", "tiny", "--device", "H200", "--isl", isl, "--osl", osl,
-            "--concurrency", c]
+    base = ["--checkpoint", "tiny", "--device", "H200", "--isl", isl, "--osl", osl, "--concurrency", c]
     return run(*base, *(["--recipe", recipe] if recipe else []), *extra)
 
 
 # ---- bisection, on fake evaluators ----
+
 
 @pytest.mark.parametrize("limit", [1, 2, 7, 63, 64, 99, 100])
 def test_largest_fitting_finds_a_monotone_threshold(limit):
@@ -67,8 +68,9 @@ def fake_planner(per_token_bytes: int | None = None, **kw) -> tuple[Planner, int
     half of an L4's room (default: 50 sequences of 200 tokens fill the other half); also
     returns the bytes left for the pool."""
     cfg = PRESETS["tiny"][0]
-    s = resolve_settings({"max_batch_size": "auto", "max_seq_len": 4096,
-                          "gpu_memory_utilization": 1.0}, None, auto_slots=8)
+    s = resolve_settings(
+        {"max_batch_size": "auto", "max_seq_len": 4096, "gpu_memory_utilization": 1.0}, None, auto_slots=8
+    )
     dev = find_device("L4")
     budget = util_budget(dev, 1.0)
     room = budget - runtime_reserve(budget)
@@ -78,8 +80,9 @@ def fake_planner(per_token_bytes: int | None = None, **kw) -> tuple[Planner, int
     def pools(config, counts, settings, dtype):
         return (Term("kv", "kv cache", per_token * counts.real_slots * counts.kv_tokens),)
 
-    return Planner(cfg, s, dev, jnp.float32, (Term("w", "weights", room // 2),),
-                   follow_auto=True, pools=pools, **kw), room // 2
+    return Planner(
+        cfg, s, dev, jnp.float32, (Term("w", "weights", room // 2),), follow_auto=True, pools=pools, **kw
+    ), room // 2
 
 
 def test_inverse_queries_on_a_linear_fake():
@@ -100,15 +103,25 @@ def test_fixed_slots_search_stops_at_the_slots():
 
 # ---- the command: text and JSON ----
 
+
 def test_text_report_on_the_tiny_mtp_recipe():
     r = tiny()
     assert r.exit_code == 0, r.stderr
     out = r.stdout
-    for needle in ("# metrale-jax memory plan", "checkpoint: metrale-jax/tiny",
-                   "recipe: metrale-jax/tiny-mtp", "## Settings (requested -> effective)",
-                   "MODEL.toml [behavior] default_num_drafts", "## Pools at this workload (MiB)",
-                   "GDN verify h rows", "## Totals (MiB)", "Headroom:", "(fits).",
-                   "Max concurrency at ISL=100 OSL=50: 12", "Max ISL at C=4 OSL=50: 462"):
+    for needle in (
+        "# metrale-jax memory plan",
+        "checkpoint: metrale-jax/tiny",
+        "recipe: metrale-jax/tiny-mtp",
+        "## Settings (requested -> effective)",
+        "MODEL.toml [behavior] default_num_drafts",
+        "## Pools at this workload (MiB)",
+        "GDN verify h rows",
+        "## Totals (MiB)",
+        "Headroom:",
+        "(fits).",
+        "Max concurrency at ISL=100 OSL=50: 12",
+        "Max ISL at C=4 OSL=50: 462",
+    ):
         assert needle in out, needle
     assert r.stderr == ""
 
@@ -119,8 +132,7 @@ def test_json_report_is_versioned_and_consistent():
     d = json.loads(r.stdout)
     assert d["schema"] == "metrale-jax.memory/2"
     t = d["totals"]
-    assert t["pools"] == {g: sum(p["bytes"] for p in d["pools"] if p["group"] == g)
-                          for g in t["pools"]}
+    assert t["pools"] == {g: sum(p["bytes"] for p in d["pools"] if p["group"] == g) for g in t["pools"]}
     assert t["weights"] == sum(w["bytes"] for w in d["weights"])
     assert t["activations"] == 0 and d["activations"] is None
     assert t["device_total"] == t["weights"] + sum(t["pools"].values()) + t["runtime_reserve"]
@@ -130,21 +142,26 @@ def test_json_report_is_versioned_and_consistent():
     assert d["inverse"]["max_concurrency"]["concurrency"] == 12
     rows = {s["setting"]: s for s in d["settings"]}
     assert rows["--num-drafts"]["rule"] == "MODEL.toml [behavior] default_num_drafts"
-    assert rows["--speculative"] == {"setting": "--speculative", "requested": "on",
-                                     "effective": "on", "rule": "flag"}
+    assert rows["--speculative"] == {"setting": "--speculative", "requested": "on", "effective": "on", "rule": "flag"}
 
 
 def test_planned_bytes_equal_what_allocate_pool_really_allocates():
     """Planned == allocated: the JSON's pools against a real allocation of the tiny model."""
     d = json.loads(tiny("--json").stdout)
     cfg = PRESETS["tiny"][0]
-    raw = {"max_seq_len": 512, "max_batch_size": "12", "block_size": 16,
-           "max_prefill_tokens": 256, "speculative": True, "num_drafts": 3, "mtp_max_seqs": 16,
-           "kv_cache_dtype": "f32"}
+    raw = {
+        "max_seq_len": 512,
+        "max_batch_size": "12",
+        "block_size": 16,
+        "max_prefill_tokens": 256,
+        "speculative": True,
+        "num_drafts": 3,
+        "mtp_max_seqs": 16,
+        "kv_cache_dtype": "f32",
+    }
     counts = pool_counts(resolve_settings(raw, None, auto_slots=12), cfg, tokens_per_seq=150)
     assert json.loads(json.dumps(counts.__dict__)) == d["counts"]
-    real = allocate_pool(cfg, counts, resolve_settings(raw, None, auto_slots=12),
-                         dtype=jnp.float32)
+    real = allocate_pool(cfg, counts, resolve_settings(raw, None, auto_slots=12), dtype=jnp.float32)
     allocated = [(list(shape), nbytes) for _, shape, _, nbytes in pool_buffers(real)]
     assert allocated == [(p["shape"], p["bytes"]) for p in d["pools"]]
     assert sum(x.nbytes for x in jax.tree_util.tree_leaves(real)) == sum(d["totals"]["pools"].values())
@@ -153,6 +170,7 @@ def test_planned_bytes_equal_what_allocate_pool_really_allocates():
 def test_weights_are_the_parameter_shapes():
     d = json.loads(tiny("--json").stdout)
     from metrale_jax.params import init_params
+
     params = init_params(PRESETS["tiny"][0], 0, jnp.float32)
     assert d["totals"]["weights"] == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
@@ -166,8 +184,21 @@ def test_local_weights_come_from_the_headers_and_unloaded_tensors_are_outside(tm
     tensors = {name: np.asarray(ref.read()) for name, ref in refs.items()}
     tensors["model.visual.patch_embed.weight"] = np.zeros((4, 8), np.float32)
     write_safetensors(str(tmp_path / "model.safetensors"), tensors)
-    r = run("--checkpoint", str(tmp_path), "--device", "L4", "--isl", "10", "--osl", "10",
-            "--concurrency", "1", "--json", "--", "--speculative")
+    r = run(
+        "--checkpoint",
+        str(tmp_path),
+        "--device",
+        "L4",
+        "--isl",
+        "10",
+        "--osl",
+        "10",
+        "--concurrency",
+        "1",
+        "--json",
+        "--",
+        "--speculative",
+    )
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["checkpoint"]["weights"] == f"{len(refs) + 1} tensors on disk"
@@ -179,18 +210,21 @@ def test_local_weights_come_from_the_headers_and_unloaded_tensors_are_outside(tm
 
 # ---- the memory spec's worked vectors (state units × the engine's bytes per unit) ----
 
+
 def _h_bytes(planner: Planner, w: Workload, cfg) -> int:
     unit = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     return sum(t.bytes for t in planner.evaluate(w).pools if t.shape[-3:] == unit)
 
 
-@pytest.mark.parametrize("model, raw, slots, want_mib", [
-    # dense 27B, one slot, K = 4: per layer h (2+6+2) x 3 MiB, x 48 layers
-    ("Qwen/Qwen3.5-27B", {"speculative": True, "num_drafts": 3}, 1, 10 * 3 * 48),
-    # MoE 35B-A3B, eight slots, K = 2: per layer h (9+9+9) x 2 MiB, x 30 layers
-    ("Qwen/Qwen3.5-35B-A3B", {"speculative": True, "num_drafts": 1, "mtp_max_seqs": 128}, 8,
-     27 * 2 * 30),
-])
+@pytest.mark.parametrize(
+    "model, raw, slots, want_mib",
+    [
+        # dense 27B, one slot, K = 4: per layer h (2+6+2) x 3 MiB, x 48 layers
+        ("Qwen/Qwen3.5-27B", {"speculative": True, "num_drafts": 3}, 1, 10 * 3 * 48),
+        # MoE 35B-A3B, eight slots, K = 2: per layer h (9+9+9) x 2 MiB, x 30 layers
+        ("Qwen/Qwen3.5-35B-A3B", {"speculative": True, "num_drafts": 1, "mtp_max_seqs": 128}, 8, 27 * 2 * 30),
+    ],
+)
 def test_worked_vectors_recurrent_h_state(model, raw, slots, want_mib):
     cfg = load_model_config(MODELS / model)
     s = resolve_settings({**raw, "max_batch_size": str(slots)}, None, auto_slots=slots)
@@ -207,10 +241,23 @@ def test_gb10_budget_and_runtime_reserve_match_the_committed_sample():
 
 # ---- inverse answers through the command ----
 
+
 def test_max_concurrency_fits_and_one_more_does_not():
-    args = ["--checkpoint", "Qwen/Qwen3.5-35B-A3B", "--device", "H100", "--isl", "30000",
-            "--osl", "2000", "--recipe", "qwen3.5/qwen3.5-35b-a3b-mtp", "--slots", "auto",
-            "--json"]
+    args = [
+        "--checkpoint",
+        "Qwen/Qwen3.5-35B-A3B",
+        "--device",
+        "H100",
+        "--isl",
+        "30000",
+        "--osl",
+        "2000",
+        "--recipe",
+        "qwen3.5/qwen3.5-35b-a3b-mtp",
+        "--slots",
+        "auto",
+        "--json",
+    ]
     d = json.loads(run(*args, "--concurrency", "1").stdout)
     n = d["inverse"]["max_concurrency"]["concurrency"]
     assert 1 <= n < 128 and "binds: kv cache" in d["inverse"]["max_concurrency"]["note"]
@@ -219,8 +266,18 @@ def test_max_concurrency_fits_and_one_more_does_not():
 
 
 def test_an_over_budget_plan_still_answers_and_exits_0():
-    r = run("--checkpoint", "Qwen/Qwen3-Next-80B-A3B-Instruct", "--device", "H200", "--isl",
-            "3000", "--osl", "1000", "--concurrency", "4")
+    r = run(
+        "--checkpoint",
+        "Qwen/Qwen3-Next-80B-A3B-Instruct",
+        "--device",
+        "H200",
+        "--isl",
+        "3000",
+        "--osl",
+        "1000",
+        "--concurrency",
+        "4",
+    )
     assert r.exit_code == 0
     assert "(over budget)." in r.stdout
     assert "Max concurrency at ISL=3000 OSL=1000: none fits (one sequence needs" in r.stdout
@@ -228,9 +285,9 @@ def test_an_over_budget_plan_still_answers_and_exits_0():
 
 # ---- warnings ----
 
+
 def test_warnings_for_settings_that_do_nothing():
-    r = tiny("--", "--enable-prefix-caching", "--ssm-cache-slots", "0", "--block-size", "128",
-             isl="100")
+    r = tiny("--", "--enable-prefix-caching", "--ssm-cache-slots", "0", "--block-size", "128", isl="100")
     assert r.exit_code == 0, r.stderr
     out = r.stdout
     assert "prefix caching is on but --ssm-cache-slots is 0" in out
@@ -249,11 +306,16 @@ def test_warnings_for_settings_that_do_nothing():
 def test_slots_what_if_appears_in_the_settings_table():
     d = json.loads(tiny("--slots", "6", "--json").stdout)
     assert d["counts"]["real_slots"] == 6
-    assert {"setting": "--slots", "requested": "6", "effective": "6",
-            "rule": "what-if: replaces --max-batch-size"} in d["settings"]
+    assert {
+        "setting": "--slots",
+        "requested": "6",
+        "effective": "6",
+        "rule": "what-if: replaces --max-batch-size",
+    } in d["settings"]
 
 
 # ---- refusals: exit 2, one line each ----
+
 
 @pytest.fixture
 def bad_root(tmp_path: Path) -> Path:
@@ -263,20 +325,25 @@ def bad_root(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--recipe", "metrale-jax/nope"], "unknown recipe 'metrale-jax/nope'"),
-    (["--recipe", "qwen3.5/qwen3.5-27b"],
-     "recipe qwen3.5/qwen3.5-27b serves Qwen/Qwen3.5-27B, not --checkpoint metrale-jax/tiny"),
-    (["--", "--foo", "1"], "serve flags: No such option '--foo'"),
-    (["--", "--block-size", "x"], "'x' is not a valid integer"),
-    (["--", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
-    (["--", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
-    (["--", "--max-seq-len", "120"], "ISL + OSL = 150 tokens exceeds --max-seq-len 120"),
-    (["--", "--max-batch-size", "2"], "4 sequences need 4 slots; the serve has 2"),
-    (["--slots", "3"], "4 sequences need 4 slots; the serve has 3"),
-    (["--slots", "many"], "--slots must be an integer in 1..=128 or auto"),
-    (["--", "--mtp-k-ladder", "4:3,x"], "--mtp-k-ladder: K ladder step 'x'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--recipe", "metrale-jax/nope"], "unknown recipe 'metrale-jax/nope'"),
+        (
+            ["--recipe", "qwen3.5/qwen3.5-27b"],
+            "recipe qwen3.5/qwen3.5-27b serves Qwen/Qwen3.5-27B, not --checkpoint metrale-jax/tiny",
+        ),
+        (["--", "--foo", "1"], "serve flags: No such option '--foo'"),
+        (["--", "--block-size", "x"], "'x' is not a valid integer"),
+        (["--", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--", "--max-seq-len", "120"], "ISL + OSL = 150 tokens exceeds --max-seq-len 120"),
+        (["--", "--max-batch-size", "2"], "4 sequences need 4 slots; the serve has 2"),
+        (["--slots", "3"], "4 sequences need 4 slots; the serve has 3"),
+        (["--slots", "many"], "--slots must be an integer in 1..=128 or auto"),
+        (["--", "--mtp-k-ladder", "4:3,x"], "--mtp-k-ladder: K ladder step 'x'"),
+    ],
+)
 def test_refusals_on_tiny(args, needle):
     r = tiny(*args)
     assert r.exit_code == 2
@@ -284,13 +351,15 @@ def test_refusals_on_tiny(args, needle):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--device", "H300"], "unknown device 'H300' (known: H100"),
-    (["--checkpoint", "nobody/nothing"], "unknown checkpoint 'nobody/nothing'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--device", "H300"], "unknown device 'H300' (known: H100"),
+        (["--checkpoint", "nobody/nothing"], "unknown checkpoint 'nobody/nothing'"),
+    ],
+)
 def test_refusals_of_device_and_checkpoint(args, needle):
-    base = {"--checkpoint": "tiny", "--device": "H200", "--isl": "10", "--osl": "10",
-            "--concurrency": "1"}
+    base = {"--checkpoint": "tiny", "--device": "H200", "--isl": "10", "--osl": "10", "--concurrency": "1"}
     base.update(dict(zip(args[::2], args[1::2])))
     r = run(*[x for kv in base.items() for x in kv])
     lines = r.stderr.strip().splitlines()
@@ -301,21 +370,19 @@ def test_refusals_from_files(bad_root):
     r = tiny("--root", str(bad_root), recipe="metrale-jax/broken")
     assert r.exit_code == 2
     assert r.stderr.strip().splitlines() == [
-        "error: recipe metrale-jax/broken: malformed YAML at line 2: mapping values are not "
-        "allowed here"]
+        "error: recipe metrale-jax/broken: malformed YAML at line 2: mapping values are not allowed here"
+    ]
     toml = bad_root / "models" / "metrale-jax" / "tiny" / "MODEL.toml"
     toml.parent.mkdir(parents=True)
     toml.write_text('[behavior]\ndefault_num_drafts = "three"\n')
     r = tiny("--root", str(bad_root))
     assert r.exit_code == 2
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "[behavior] default_num_drafts must be a non-negative integer" \
-        in lines[0]
+    assert len(lines) == 1 and "[behavior] default_num_drafts must be a non-negative integer" in lines[0]
 
 
 def test_several_violations_give_one_line_each():
-    r = tiny("--", "--gpu-memory-utilization", "2", "--mtp-max-seqs", "0", "--kv-cache-dtype",
-             "int4")
+    r = tiny("--", "--gpu-memory-utilization", "2", "--mtp-max-seqs", "0", "--kv-cache-dtype", "int4")
     assert r.exit_code == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 3 and all(x.startswith("error: ") for x in lines)

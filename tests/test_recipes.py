@@ -1,4 +1,5 @@
 """Serve recipes: schema, rendering, run-time overrides, and parsing with the serve option set."""
+
 from __future__ import annotations
 
 import textwrap
@@ -51,25 +52,31 @@ def with_defaults(body: str) -> str:
 
 # ---- the seed's override cases ----
 
+
 def test_a_later_flag_replaces_the_recipes_value():
     argv = v("m --gpu-memory-utilization 0.90 --speculative --max-seq-len 8192")
-    assert override_flags(argv, v("--gpu-memory-utilization 0.85")) == \
-        v("m --speculative --max-seq-len 8192 --gpu-memory-utilization 0.85")
-    assert override_flags(argv, v("--speculative --max-seq-len=4096")) == \
-        v("m --gpu-memory-utilization 0.90 --speculative --max-seq-len=4096")
+    assert override_flags(argv, v("--gpu-memory-utilization 0.85")) == v(
+        "m --speculative --max-seq-len 8192 --gpu-memory-utilization 0.85"
+    )
+    assert override_flags(argv, v("--speculative --max-seq-len=4096")) == v(
+        "m --gpu-memory-utilization 0.90 --speculative --max-seq-len=4096"
+    )
 
 
 def test_override_edge_cases():
     argv = v("m --max-seq-len=8192 --block-size 32 --speculative --num-drafts 3")
     # a `--flag=v` occurrence is dropped alone; the next token is not taken as its value
-    assert override_flags(argv, v("--max-seq-len 100")) == \
-        v("m --block-size 32 --speculative --num-drafts 3 --max-seq-len 100")
+    assert override_flags(argv, v("--max-seq-len 100")) == v(
+        "m --block-size 32 --speculative --num-drafts 3 --max-seq-len 100"
+    )
     # a boolean flag followed by another flag drops nothing else
-    assert override_flags(v("m --speculative --block-size 32"), v("--speculative")) == \
-        v("m --block-size 32 --speculative")
+    assert override_flags(v("m --speculative --block-size 32"), v("--speculative")) == v(
+        "m --block-size 32 --speculative"
+    )
     assert override_flags(argv, []) == argv
-    assert override_flags(argv, v("--num-drafts 1")) == \
-        v("m --max-seq-len=8192 --block-size 32 --speculative --num-drafts 1")
+    assert override_flags(argv, v("--num-drafts 1")) == v(
+        "m --max-seq-len=8192 --block-size 32 --speculative --num-drafts 1"
+    )
 
 
 def test_a_negative_boolean_after_the_recipes_turns_it_off():
@@ -80,15 +87,17 @@ def test_a_negative_boolean_after_the_recipes_turns_it_off():
 
 # ---- schema ----
 
+
 def test_parse_and_render_a_good_recipe():
     r = parse_recipe("fam/stem", GOOD)
-    assert (r.id, r.model, r.runtime, r.min_nodes, r.max_nodes) == \
-        ("fam/stem", "org/model", "metrale-jax", 1, None)
+    assert (r.id, r.model, r.runtime, r.min_nodes, r.max_nodes) == ("fam/stem", "org/model", "metrale-jax", 1, None)
     assert dict(r.metadata) == {"description": "a recipe", "updated": "2026-10-02"}
     assert dict(r.env) == {"METRALE_EXAMPLE": "1"}
-    assert render_argv(r) == v("org/model --max-seq-len 8192 --max-batch-size 2 "
-                               "--gpu-memory-utilization 0.85 --speculative --mtp-k-ladder "
-                               "2:2,32:1")
+    assert render_argv(r) == v(
+        "org/model --max-seq-len 8192 --max-batch-size 2 "
+        "--gpu-memory-utilization 0.85 --speculative --mtp-k-ladder "
+        "2:2,32:1"
+    )
 
 
 def test_key_to_flag_rules():
@@ -98,27 +107,30 @@ def test_key_to_flag_rules():
     assert flag_for_key("ssm_cache_slots") == "--ssm-cache-slots"
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("- a\n- b\n", "top level must be a mapping"),
-    (GOOD + "max_num_seqs: 2\n", "unknown top-level key(s) max_num_seqs"),
-    (GOOD.replace("container: metrale-jax/x:latest\n", ""), "missing required key(s) container"),
-    (GOOD.replace('recipe_version: "2"', 'recipe_version: "1"'), "recipe_version must be"),
-    (GOOD.replace("model: org/model", "model: 7"), "model must be a non-empty string"),
-    (GOOD + "min_nodes: 0\n", "min_nodes must be a positive integer"),
-    (GOOD + "min_nodes: 2\nmax_nodes: 1\n", "max_nodes 1 is below min_nodes 2"),
-    (GOOD.replace("  updated:", "  colour: red\n  updated:"), "unknown metadata key(s) colour"),
-    (GOOD + "env: [a]\n", "env must be a mapping"),
-    (GOOD.replace("defaults:\n", "defaults: 3\nx:\n"), "unknown top-level key"),
-    (with_defaults("speculative: yes please\n"), "presence-only flag; write true or false"),
-    (with_defaults("speculative: 1\n"), "presence-only flag; write true or false"),
-    (with_defaults("max_batch_size: true\n"), "takes a scalar value"),
-    (with_defaults("max_batch_size: [1, 2]\n"), "takes a scalar value"),
-    (with_defaults("max_batch_size: {a: 1}\n"), "takes a scalar value"),
-    (with_defaults("max_batch_size:\n"), "takes a scalar value"),
-    (with_defaults("tensor_parallel: 2\n"), "defaults.tensor_parallel (--tp-size) is not a"),
-    (with_defaults("weight_quantization: declared\n"), "is not a metrale-jax serve flag"),
-    (with_defaults("4: 2\n"), "must be a string"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("- a\n- b\n", "top level must be a mapping"),
+        (GOOD + "max_num_seqs: 2\n", "unknown top-level key(s) max_num_seqs"),
+        (GOOD.replace("container: metrale-jax/x:latest\n", ""), "missing required key(s) container"),
+        (GOOD.replace('recipe_version: "2"', 'recipe_version: "1"'), "recipe_version must be"),
+        (GOOD.replace("model: org/model", "model: 7"), "model must be a non-empty string"),
+        (GOOD + "min_nodes: 0\n", "min_nodes must be a positive integer"),
+        (GOOD + "min_nodes: 2\nmax_nodes: 1\n", "max_nodes 1 is below min_nodes 2"),
+        (GOOD.replace("  updated:", "  colour: red\n  updated:"), "unknown metadata key(s) colour"),
+        (GOOD + "env: [a]\n", "env must be a mapping"),
+        (GOOD.replace("defaults:\n", "defaults: 3\nx:\n"), "unknown top-level key"),
+        (with_defaults("speculative: yes please\n"), "presence-only flag; write true or false"),
+        (with_defaults("speculative: 1\n"), "presence-only flag; write true or false"),
+        (with_defaults("max_batch_size: true\n"), "takes a scalar value"),
+        (with_defaults("max_batch_size: [1, 2]\n"), "takes a scalar value"),
+        (with_defaults("max_batch_size: {a: 1}\n"), "takes a scalar value"),
+        (with_defaults("max_batch_size:\n"), "takes a scalar value"),
+        (with_defaults("tensor_parallel: 2\n"), "defaults.tensor_parallel (--tp-size) is not a"),
+        (with_defaults("weight_quantization: declared\n"), "is not a metrale-jax serve flag"),
+        (with_defaults("4: 2\n"), "must be a string"),
+    ],
+)
 def test_schema_violations(text, needle):
     with pytest.raises(RecipeError) as e:
         parse_recipe("fam/stem", text)
@@ -152,8 +164,7 @@ def test_load_recipe_ids(tmp_path):
 def test_serve_argv_requires_the_recipes_model(tmp_path):
     (tmp_path / "fam").mkdir()
     (tmp_path / "fam" / "stem.yaml").write_text(GOOD)
-    assert serve_argv(tmp_path, "org/model", "fam/stem", v("--block-size 32"))[-2:] == \
-        v("--block-size 32")
+    assert serve_argv(tmp_path, "org/model", "fam/stem", v("--block-size 32"))[-2:] == v("--block-size 32")
     assert serve_argv(tmp_path, "any", None, v("--speculative")) == v("any --speculative")
     with pytest.raises(RecipeError, match="serves org/model, not --checkpoint other/model"):
         serve_argv(tmp_path, "other/model", "fam/stem", [])
@@ -161,19 +172,23 @@ def test_serve_argv_requires_the_recipes_model(tmp_path):
 
 # ---- the final argv, through the serve option set ----
 
+
 def test_parse_serve_argv_returns_only_the_given_flags():
     model, raw = parse_serve_argv(v("m --max-seq-len 4096 --speculative --max-batch-size auto"))
     assert model == "m"
     assert raw == {"max_seq_len": 4096, "speculative": True, "max_batch_size": "auto"}
 
 
-@pytest.mark.parametrize("argv, needle", [
-    ("m --foo 1", "No such option"),
-    ("m --block-size x", "'x' is not a valid integer"),
-    ("m --block-size", "requires an argument"),
-    ("m n", "unexpected extra argument"),
-    ("", "Missing argument"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ("m --foo 1", "No such option"),
+        ("m --block-size x", "'x' is not a valid integer"),
+        ("m --block-size", "requires an argument"),
+        ("m n", "unexpected extra argument"),
+        ("", "Missing argument"),
+    ],
+)
 def test_parse_serve_argv_refusals(argv, needle):
     with pytest.raises(SettingsError) as e:
         parse_serve_argv(v(argv))
@@ -186,10 +201,16 @@ SHIPPED = recipe_ids(REPO_RECIPES_DIR)
 
 
 def test_every_family_ships_a_plain_and_an_mtp_recipe():
-    assert {"qwen3-next/qwen3-next-80b-a3b", "qwen3-next/qwen3-next-80b-a3b-mtp",
-            "qwen3.5/qwen3.5-27b", "qwen3.5/qwen3.5-27b-mtp",
-            "qwen3.5/qwen3.5-35b-a3b", "qwen3.5/qwen3.5-35b-a3b-mtp",
-            "metrale-jax/tiny", "metrale-jax/tiny-mtp"} <= set(SHIPPED)
+    assert {
+        "qwen3-next/qwen3-next-80b-a3b",
+        "qwen3-next/qwen3-next-80b-a3b-mtp",
+        "qwen3.5/qwen3.5-27b",
+        "qwen3.5/qwen3.5-27b-mtp",
+        "qwen3.5/qwen3.5-35b-a3b",
+        "qwen3.5/qwen3.5-35b-a3b-mtp",
+        "metrale-jax/tiny",
+        "metrale-jax/tiny-mtp",
+    } <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("recipe_id", SHIPPED)
@@ -212,5 +233,4 @@ def test_tiny_mtp_takes_its_drafts_cap_and_kv_dtype_from_model_toml():
     s = resolve_settings(parse_serve_argv(render_argv(recipe))[1], source.behavior, auto_slots=8)
     rules = {p.setting: p.rule for p in s.provenance}
     assert (s.num_drafts, s.mtp_max_seqs, s.kv_cache_dtype) == (3, 16, "f32")
-    assert all(rules[f].startswith("MODEL.toml") for f in
-               ("--num-drafts", "--mtp-max-seqs", "--kv-cache-dtype"))
+    assert all(rules[f].startswith("MODEL.toml") for f in ("--num-drafts", "--mtp-max-seqs", "--kv-cache-dtype"))

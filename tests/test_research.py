@@ -30,8 +30,20 @@ def run(study, prompts):
 
 def test_run_tables_have_tidy_shapes(run):
     n = run.seq.shape[0]
-    chex.assert_shape([run.group, run.step, run.seq, run.active, run.proposed, run.drafted, run.accepted,
-                       run.verify_rows, run.emitted], (n,))
+    chex.assert_shape(
+        [
+            run.group,
+            run.step,
+            run.seq,
+            run.active,
+            run.proposed,
+            run.drafted,
+            run.accepted,
+            run.verify_rows,
+            run.emitted,
+        ],
+        (n,),
+    )
     chex.assert_shape([run.confidence], (n, D))
     chex.assert_shape([run.reached, run.accepted_at], (n, D))
     chex.assert_type([run.seq, run.drafted, run.accepted], int)

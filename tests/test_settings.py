@@ -1,4 +1,5 @@
 """Serve settings: the Click option set, MODEL.toml `[behavior]`, resolution and validation."""
+
 from __future__ import annotations
 
 import math
@@ -41,6 +42,7 @@ def violations(raw, behavior=None) -> tuple[str, ...]:
 
 # ---- resolution ----
 
+
 def test_engine_defaults_and_their_provenance():
     s = resolve()
     assert (s.max_batch_size, s.max_seq_len, s.block_size, s.speculative) == (8, 32768, 16, False)
@@ -50,37 +52,45 @@ def test_engine_defaults_and_their_provenance():
     assert (s.ssm_decode_ring_slots, s.gpu_memory_utilization) == (0, 0.90)
     assert all(p.requested == "" for p in s.provenance)
     assert set(rules(s).values()) <= {RULE_DEFAULT, "auto (off: no decode watchdog to roll back for)"}
-    assert [p.setting for p in s.provenance][:3] == ["--max-batch-size", "--max-seq-len",
-                                                     "--block-size"]
+    assert [p.setting for p in s.provenance][:3] == ["--max-batch-size", "--max-seq-len", "--block-size"]
 
 
-@pytest.mark.parametrize("raw, behavior, want, rule", [
-    ({"num_drafts": 1, "speculative": True}, TOML, 1, RULE_FLAG),  # an explicit 1 still wins
-    ({"speculative": True}, TOML, 2, "MODEL.toml [behavior] default_num_drafts"),
-    ({"speculative": True}, Behavior(), 1, RULE_DEFAULT),           # 0 in MODEL.toml = absent
-    ({"speculative": True}, None, 1, RULE_DEFAULT),
-])
+@pytest.mark.parametrize(
+    "raw, behavior, want, rule",
+    [
+        ({"num_drafts": 1, "speculative": True}, TOML, 1, RULE_FLAG),  # an explicit 1 still wins
+        ({"speculative": True}, TOML, 2, "MODEL.toml [behavior] default_num_drafts"),
+        ({"speculative": True}, Behavior(), 1, RULE_DEFAULT),  # 0 in MODEL.toml = absent
+        ({"speculative": True}, None, 1, RULE_DEFAULT),
+    ],
+)
 def test_num_drafts_flag_then_model_toml_then_default(raw, behavior, want, rule):
     s = resolve(raw, behavior)
     assert s.num_drafts == want and rules(s)["--num-drafts"] == rule
 
 
-@pytest.mark.parametrize("raw, behavior, want, rule", [
-    ({"mtp_max_seqs": 8}, TOML, 8, RULE_FLAG),
-    ({}, TOML, 64, "MODEL.toml [behavior] mtp_max_seqs"),
-    ({}, None, 32, RULE_DEFAULT),
-])
+@pytest.mark.parametrize(
+    "raw, behavior, want, rule",
+    [
+        ({"mtp_max_seqs": 8}, TOML, 8, RULE_FLAG),
+        ({}, TOML, 64, "MODEL.toml [behavior] mtp_max_seqs"),
+        ({}, None, 32, RULE_DEFAULT),
+    ],
+)
 def test_mtp_max_seqs_flag_then_model_toml_then_32(raw, behavior, want, rule):
     s = resolve(raw, behavior)
     assert s.mtp_max_seqs == want and rules(s)["--mtp-max-seqs"] == rule
 
 
-@pytest.mark.parametrize("raw, behavior, want, rule", [
-    ({"kv_cache_dtype": "bf16"}, TOML, "bf16", RULE_FLAG),
-    ({"kv_cache_dtype": "f32"}, TOML, "f32", "flag (MODEL.toml says bf16)"),
-    ({}, TOML, "bf16", "MODEL.toml [behavior] default_kv_dtype"),
-    ({}, None, "fp8", RULE_DEFAULT),
-])
+@pytest.mark.parametrize(
+    "raw, behavior, want, rule",
+    [
+        ({"kv_cache_dtype": "bf16"}, TOML, "bf16", RULE_FLAG),
+        ({"kv_cache_dtype": "f32"}, TOML, "f32", "flag (MODEL.toml says bf16)"),
+        ({}, TOML, "bf16", "MODEL.toml [behavior] default_kv_dtype"),
+        ({}, None, "fp8", RULE_DEFAULT),
+    ],
+)
 def test_kv_dtype_flag_then_model_toml_then_fp8(raw, behavior, want, rule):
     s = resolve(raw, behavior)
     assert s.kv_cache_dtype == want and rules(s)["--kv-cache-dtype"] == rule
@@ -117,44 +127,64 @@ def test_requested_and_effective_columns():
 
 # ---- validation: every violation, one message each ----
 
-@pytest.mark.parametrize("raw, needle", [
-    ({"max_batch_size": "0"}, "--max-batch-size"),
-    ({"max_batch_size": "129"}, "--max-batch-size"),
-    ({"max_batch_size": "many"}, "--max-batch-size"),
-    ({"max_seq_len": 0}, "--max-seq-len"),
-    ({"block_size": 0}, "--block-size"),
-    ({"max_prefill_tokens": 0}, "--max-prefill-tokens"),
-    ({"ssm_cache_slots": -1}, "--ssm-cache-slots"),
-    ({"num_drafts": 0, "speculative": True}, "--num-drafts must be >= 1"),
-    ({"num_drafts": 2}, "--num-drafts 2 needs --speculative"),
-    ({"mtp_max_seqs": 0}, "--mtp-max-seqs 0 (flag)"),
-    ({"mtp_max_seqs": 129}, "--mtp-max-seqs 129 (flag)"),
-    ({"mtp_k_ladder": "4:3,2:1"}, "--mtp-k-ladder: K ladder step '2:1'"),
-    ({"kv_cache_dtype": "nvfp4"}, "--kv-cache-dtype 'nvfp4' (flag)"),
-    ({"ssm_h_dtype": "f16"}, "--ssm-h-dtype"),
-    ({"ssm_rollback_mode": "rewind"}, "--ssm-rollback-mode"),
-    ({"ssm_decode_ring_slots": "9"}, "--ssm-decode-ring-slots"),
-    ({"ssm_decode_ring_slots": "deep"}, "--ssm-decode-ring-slots"),
-    ({"gpu_memory_utilization": 0.0}, "(0, 1]"),
-    ({"gpu_memory_utilization": -0.5}, "(0, 1]"),
-    ({"gpu_memory_utilization": 1.01}, "(0, 1]"),
-    ({"gpu_memory_utilization": math.nan}, "(0, 1]"),
-])
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"max_batch_size": "0"}, "--max-batch-size"),
+        ({"max_batch_size": "129"}, "--max-batch-size"),
+        ({"max_batch_size": "many"}, "--max-batch-size"),
+        ({"max_seq_len": 0}, "--max-seq-len"),
+        ({"block_size": 0}, "--block-size"),
+        ({"max_prefill_tokens": 0}, "--max-prefill-tokens"),
+        ({"ssm_cache_slots": -1}, "--ssm-cache-slots"),
+        ({"num_drafts": 0, "speculative": True}, "--num-drafts must be >= 1"),
+        ({"num_drafts": 2}, "--num-drafts 2 needs --speculative"),
+        ({"mtp_max_seqs": 0}, "--mtp-max-seqs 0 (flag)"),
+        ({"mtp_max_seqs": 129}, "--mtp-max-seqs 129 (flag)"),
+        ({"mtp_k_ladder": "4:3,2:1"}, "--mtp-k-ladder: K ladder step '2:1'"),
+        ({"kv_cache_dtype": "nvfp4"}, "--kv-cache-dtype 'nvfp4' (flag)"),
+        ({"ssm_h_dtype": "f16"}, "--ssm-h-dtype"),
+        ({"ssm_rollback_mode": "rewind"}, "--ssm-rollback-mode"),
+        ({"ssm_decode_ring_slots": "9"}, "--ssm-decode-ring-slots"),
+        ({"ssm_decode_ring_slots": "deep"}, "--ssm-decode-ring-slots"),
+        ({"gpu_memory_utilization": 0.0}, "(0, 1]"),
+        ({"gpu_memory_utilization": -0.5}, "(0, 1]"),
+        ({"gpu_memory_utilization": 1.01}, "(0, 1]"),
+        ({"gpu_memory_utilization": math.nan}, "(0, 1]"),
+    ],
+)
 def test_each_violation(raw, needle):
     messages = violations(raw)
     assert len(messages) == 1 and needle in messages[0]
 
 
 def test_edges_that_are_allowed():
-    s = resolve({"mtp_max_seqs": 128, "gpu_memory_utilization": 1.0, "num_drafts": 1,
-                 "max_batch_size": "128", "ssm_cache_slots": 0, "ssm_decode_ring_slots": "0"})
+    s = resolve(
+        {
+            "mtp_max_seqs": 128,
+            "gpu_memory_utilization": 1.0,
+            "num_drafts": 1,
+            "max_batch_size": "128",
+            "ssm_cache_slots": 0,
+            "ssm_decode_ring_slots": "0",
+        }
+    )
     assert (s.mtp_max_seqs, s.gpu_memory_utilization, s.max_batch_size) == (128, 1.0, 128)
 
 
 def test_every_violation_is_collected_into_one_error():
-    messages = violations({"max_batch_size": "x", "num_drafts": 3, "mtp_max_seqs": 0,
-                           "kv_cache_dtype": "int4", "gpu_memory_utilization": 2.0,
-                           "mtp_k_ladder": "bad", "ssm_decode_ring_slots": "99"})
+    messages = violations(
+        {
+            "max_batch_size": "x",
+            "num_drafts": 3,
+            "mtp_max_seqs": 0,
+            "kv_cache_dtype": "int4",
+            "gpu_memory_utilization": 2.0,
+            "mtp_k_ladder": "bad",
+            "ssm_decode_ring_slots": "99",
+        }
+    )
     assert len(messages) == 7
     assert str(SettingsError(messages)).count("\n") == 6
 
@@ -163,8 +193,7 @@ def test_model_toml_values_are_validated_too_and_named():
     messages = violations({}, Behavior(mtp_max_seqs=500, default_kv_dtype="int8", source="M"))
     assert messages == (
         "--mtp-max-seqs 500 (MODEL.toml [behavior] mtp_max_seqs) must be in 1..=128",
-        "--kv-cache-dtype 'int8' (MODEL.toml [behavior] default_kv_dtype) must be one of "
-        "bf16, fp8, f32",
+        "--kv-cache-dtype 'int8' (MODEL.toml [behavior] default_kv_dtype) must be one of bf16, fp8, f32",
     )
 
 
@@ -174,10 +203,10 @@ def test_unknown_raw_keys_are_refused():
 
 # ---- EngineSettings ----
 
+
 def test_settings_are_hashable_and_static_under_jit():
     a = resolve({"speculative": True}, TOML)
-    b = resolve({"speculative": True, "num_drafts": 2, "mtp_max_seqs": 64,
-                 "kv_cache_dtype": "bf16"})
+    b = resolve({"speculative": True, "num_drafts": 2, "mtp_max_seqs": 64, "kv_cache_dtype": "bf16"})
     assert a == b and hash(a) == hash(b)  # provenance differs but takes no part
     calls = []
 
@@ -193,24 +222,29 @@ def test_settings_are_hashable_and_static_under_jit():
 
 # ---- MODEL.toml ----
 
+
 def test_behavior_parse_reads_three_keys_and_ignores_the_rest():
-    b = Behavior.parse('[behavior]\ndefault_num_drafts = 3\nmtp_max_seqs = 128\n'
-                       'default_kv_dtype = "bf16"\nthinking_default = true\n[dflash]\ngamma = 16\n',
-                       "x/MODEL.toml")
-    assert (b.default_num_drafts, b.mtp_max_seqs, b.default_kv_dtype, b.source) == \
-        (3, 128, "bf16", "x/MODEL.toml")
+    b = Behavior.parse(
+        "[behavior]\ndefault_num_drafts = 3\nmtp_max_seqs = 128\n"
+        'default_kv_dtype = "bf16"\nthinking_default = true\n[dflash]\ngamma = 16\n',
+        "x/MODEL.toml",
+    )
+    assert (b.default_num_drafts, b.mtp_max_seqs, b.default_kv_dtype, b.source) == (3, 128, "bf16", "x/MODEL.toml")
     assert Behavior.parse("# nothing\n", "s") == Behavior(source="s")
 
 
-@pytest.mark.parametrize("text, needle", [
-    ('[behavior]\ndefault_num_drafts = "3"\n', "default_num_drafts must be a non-negative integer"),
-    ("[behavior]\nmtp_max_seqs = true\n", "mtp_max_seqs must be a non-negative integer"),
-    ("[behavior]\nmtp_max_seqs = 2.5\n", "mtp_max_seqs must be a non-negative integer"),
-    ("[behavior]\ndefault_num_drafts = -1\n", "default_num_drafts must be a non-negative integer"),
-    ("[behavior]\ndefault_kv_dtype = 8\n", "default_kv_dtype must be a string"),
-    ('behavior = "fast"\n', "[behavior] must be a table"),
-    ("[behavior\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('[behavior]\ndefault_num_drafts = "3"\n', "default_num_drafts must be a non-negative integer"),
+        ("[behavior]\nmtp_max_seqs = true\n", "mtp_max_seqs must be a non-negative integer"),
+        ("[behavior]\nmtp_max_seqs = 2.5\n", "mtp_max_seqs must be a non-negative integer"),
+        ("[behavior]\ndefault_num_drafts = -1\n", "default_num_drafts must be a non-negative integer"),
+        ("[behavior]\ndefault_kv_dtype = 8\n", "default_kv_dtype must be a string"),
+        ('behavior = "fast"\n', "[behavior] must be a table"),
+        ("[behavior\n", "not valid TOML"),
+    ],
+)
 def test_behavior_wrong_types_are_clear_errors(text, needle):
     with pytest.raises(BehaviorError) as e:
         Behavior.parse(text, "m/MODEL.toml")
@@ -226,22 +260,24 @@ def test_absent_model_toml_means_engine_defaults(tmp_path):
 
 # ---- the Click option set ----
 
+
 @click.command()
 @serve_options
 @click.pass_context
 def _probe(ctx, **kwargs):
     raw = pop_serve_raw(ctx, kwargs)
     s = resolve_settings(raw, None, auto_slots=4)
-    click.echo(f"{sorted(raw)} {s.max_batch_size} {s.speculative} {s.num_drafts} "
-               f"{s.gpu_memory_utilization} {kwargs}")
+    click.echo(f"{sorted(raw)} {s.max_batch_size} {s.speculative} {s.num_drafts} {s.gpu_memory_utilization} {kwargs}")
 
 
 def test_serve_options_parse_and_pop_only_the_given_flags():
-    r = CliRunner().invoke(_probe, ["--speculative", "--num-drafts", "3", "--max-batch-size",
-                                    "auto", "--gpu-memory-utilization", "0.5"])
+    r = CliRunner().invoke(
+        _probe, ["--speculative", "--num-drafts", "3", "--max-batch-size", "auto", "--gpu-memory-utilization", "0.5"]
+    )
     assert r.exit_code == 0, r.output
-    assert r.output.strip() == ("['gpu_memory_utilization', 'max_batch_size', 'num_drafts', "
-                                "'speculative'] 4 True 3 0.5 {}")
+    assert r.output.strip() == (
+        "['gpu_memory_utilization', 'max_batch_size', 'num_drafts', 'speculative'] 4 True 3 0.5 {}"
+    )
 
 
 def test_presence_only_booleans_have_a_negative_spelling_and_the_last_wins():
@@ -253,6 +289,13 @@ def test_presence_only_booleans_have_a_negative_spelling_and_the_last_wins():
 
 def test_serve_options_help_lists_every_flag():
     r = CliRunner().invoke(_probe, ["--help"])
-    for flag in ("--max-batch-size", "--mtp-k-ladder", "--kv-cache-dtype", "--ssm-h-dtype",
-                 "--ssm-decode-ring-slots", "--gpu-memory-utilization", "--enable-prefix-caching"):
+    for flag in (
+        "--max-batch-size",
+        "--mtp-k-ladder",
+        "--kv-cache-dtype",
+        "--ssm-h-dtype",
+        "--ssm-decode-ring-slots",
+        "--gpu-memory-utilization",
+        "--enable-prefix-caching",
+    ):
         assert flag in r.output

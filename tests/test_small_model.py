@@ -146,8 +146,14 @@ def test_train_ops_compute_the_reference_math():
 
 
 def test_objective_gradient_lowers_both_losses():
-    cfg = TINY.replace(vocab_size=257, num_hidden_layers=2, layer_types=TINY.layer_types[:2], num_experts=0,
-                       num_experts_per_tok=0, mlp_only_layers=())
+    cfg = TINY.replace(
+        vocab_size=257,
+        num_hidden_layers=2,
+        layer_types=TINY.layer_types[:2],
+        num_experts=0,
+        num_experts_per_tok=0,
+        mlp_only_layers=(),
+    )
     params = init_for_training(cfg, 0)
     windows = jnp.asarray(np.tile(np.arange(18, dtype=np.int32) % 5 + 97, (2, 1)))
 

@@ -96,7 +96,9 @@ def gdn_chunk_supported(q, k, v, g, beta, h0, *, backend: str, block_v: int | No
     return None
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None):
+def recurrent_gated_delta_rule(
+    q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None
+):
     """Per-row recurrence (decode / verify): (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32),
     states[:, t] the state after row t. Arguments as `reference.recurrent_gated_delta_rule`.
 
@@ -113,7 +115,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, implementation: str = "p
     return pallas_gpu.recurrent_gated_delta_rule(q, k, v, g, beta, h0, block_v=block_v, interpret=interpret)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None):
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None
+):
     """Chunked prefill: (o [B, T, H, dv] f32, final_state [B, H, dk, dv] f32). Arguments and
     switches as `recurrent_gated_delta_rule`."""
     common.check_implementation(implementation)

@@ -51,7 +51,9 @@ def _rows_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, s_ref, *, row
         s_ref[t] = s
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool, matvec_as: MatvecForm | None = None):
+def recurrent_gated_delta_rule(
+    q, k, v, g, beta, h0, *, block_v: int, interpret: bool, matvec_as: MatvecForm | None = None
+):
     """Per-row recurrence (decode / verify), every row's state out.
 
     q, k [B, T, Hk, dk] f32; v [B, T, H, dv] f32; g, beta [B, T, H] f32; h0 [B, H, dk, dv] f32.

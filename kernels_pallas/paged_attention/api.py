@@ -63,7 +63,17 @@ def default_tiling(t: int, h: int, kvh: int, bs: int, *, interpret: bool) -> tup
     return min(64, max(16, 1 << (rows - 1).bit_length())), reference.tile_pages(bs)
 
 
-def paged_attention_supported(q, k_cache, v_cache, block_tables, positions, *, backend: str, block_rows: int | None = None, pages: int | None = None) -> str | None:
+def paged_attention_supported(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    positions,
+    *,
+    backend: str,
+    block_rows: int | None = None,
+    pages: int | None = None,
+) -> str | None:
     """Why the kernel refuses these arguments (anything with .shape/.dtype) on `backend`
     ("interpret" or "gpu"), or None when it takes them."""
     if reason := common.backend_reason(backend):
@@ -90,7 +100,20 @@ def paged_attention_supported(q, k_cache, v_cache, block_tables, positions, *, b
     return None
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, *, implementation: str = "pallas", interpret: bool | None = None, block_rows: int | None = None, pages: int | None = None, form: str | None = None):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    positions,
+    scale: float,
+    *,
+    implementation: str = "pallas",
+    interpret: bool | None = None,
+    block_rows: int | None = None,
+    pages: int | None = None,
+    form: str | None = None,
+):
     """Causal GQA attention of query rows over their sequences' paged KV. Arguments as
     `reference.paged_attention`; returns [B, T, H, D] in q's dtype.
 
@@ -102,9 +125,24 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
     if implementation == "reference":
         return reference.paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
     interpret = common.default_interpret() if interpret is None else interpret
-    block_rows_d, pages_d = default_tiling(q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interpret)
+    block_rows_d, pages_d = default_tiling(
+        q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interpret
+    )
     block_rows, pages = block_rows or block_rows_d, pages or pages_d
     backend = common.backend_of(interpret)
-    if reason := paged_attention_supported(q, k_cache, v_cache, block_tables, positions, backend=backend, block_rows=block_rows, pages=pages):
+    if reason := paged_attention_supported(
+        q, k_cache, v_cache, block_tables, positions, backend=backend, block_rows=block_rows, pages=pages
+    ):
         raise KernelRefused(f"paged attention kernel: {reason}")
-    return pallas_gpu.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, block_rows=block_rows, pages=pages, interpret=interpret, form=form)
+    return pallas_gpu.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        positions,
+        scale,
+        block_rows=block_rows,
+        pages=pages,
+        interpret=interpret,
+        form=form,
+    )

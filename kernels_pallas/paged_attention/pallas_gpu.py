@@ -91,13 +91,29 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
         p_sum = common.pairwise_sum(p) if exact else jnp.sum(p, axis=1)  # [bm]
         return alpha[:, None] * acc + pv, m_new, alpha * l + p_sum
 
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full(pos.shape, -jnp.inf, jnp.float32), jnp.zeros(pos.shape, jnp.float32))
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full(pos.shape, -jnp.inf, jnp.float32),
+        jnp.zeros(pos.shape, jnp.float32),
+    )
     acc, _, l = lax.fori_loop(0, n_tiles, body, init)
     out = jnp.where((pos >= 0)[:, None], acc / l[:, None], 0.0)  # padding rows: l = 0 -> zeros
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, *, block_rows: int, pages: int, interpret: bool, form: str | None = None):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    positions,
+    scale: float,
+    *,
+    block_rows: int,
+    pages: int,
+    interpret: bool,
+    form: str | None = None,
+):
     """q [B, T, H, D]; k_cache, v_cache [NB, bs, KV, D]; block_tables [B, MB] int32;
     positions [B, T] int32 (< 0 = padding). Returns [B, T, H, D] in q's dtype. form: the
     body's form (see the module docstring), None = `default_form(interpret)`.

@@ -14,6 +14,17 @@ from metrale_jax.diff.request import DiffRequest, DiffRequestError
 from metrale_jax.diff.variants import REFERENCE, Variant, default_variants
 
 __all__ = [
-    "BIT_IDENTICAL", "Bar", "Contract", "DiffRequest", "DiffRequestError", "Progress", "REFERENCE", "Variant",
-    "bounded", "default_variants", "render_summary", "run_diff", "to_json",
+    "BIT_IDENTICAL",
+    "Bar",
+    "Contract",
+    "DiffRequest",
+    "DiffRequestError",
+    "Progress",
+    "REFERENCE",
+    "Variant",
+    "bounded",
+    "default_variants",
+    "render_summary",
+    "run_diff",
+    "to_json",
 ]

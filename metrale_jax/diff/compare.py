@@ -20,7 +20,8 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import ml_dtypes
 import numpy as np
@@ -59,7 +60,7 @@ class Run:
 class Contract:
     """What a variant promises against the reference: bit-identical (`rtol` None) or bounded."""
 
-    rtol: Optional[float] = None
+    rtol: float | None = None
     reason: str = ""
 
     @property
@@ -103,11 +104,11 @@ class PartDiff:
 
     differing_bytes: int = 0
     max_abs: float = 0.0
-    max_ulp: Optional[int] = None
+    max_ulp: int | None = None
     argmax_equal: bool = True
-    first: Optional[dict] = None
-    violation: Optional[dict] = None
-    bad_rows: Optional[np.ndarray] = None
+    first: dict | None = None
+    violation: dict | None = None
+    bad_rows: np.ndarray | None = None
 
 
 def _unsigned(a: np.ndarray) -> np.ndarray:
@@ -165,12 +166,17 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
 
     def where(r: int, c: int, why: str) -> dict:
         d = {
-            "part": ref.name, "row": r, "index": c,
+            "part": ref.name,
+            "row": r,
+            "index": c,
             "reference": a2[r, c].item() if ints else float(fa[r, c]),
             "replay": b2[r, c].item() if ints else float(fb[r, c]),
-            "reference_hex": _hex(ua[r, c]), "replay_hex": _hex(ub[r, c]),
-            "ulp": None if ulp is None else int(ulp[r, c]), "abs_diff": float(absd[r, c]),
-            "max_abs_diff": out.max_abs, "why": why,
+            "reference_hex": _hex(ua[r, c]),
+            "replay_hex": _hex(ub[r, c]),
+            "ulp": None if ulp is None else int(ulp[r, c]),
+            "abs_diff": float(absd[r, c]),
+            "max_abs_diff": out.max_abs,
+            "why": why,
         }
         if am_a is not None:
             d.update(argmax_reference=int(am_a[r]), argmax_replay=int(am_b[r]), argmax_equal=bool(am_a[r] == am_b[r]))
@@ -201,7 +207,7 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
 def diff_parts(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> list[PartDiff]:
     """`diff_part` over two part lists; a missing or extra part is a structural violation."""
     out = [diff_part(x, y, contract) for x, y in zip(ref, got)]
-    for p in list(ref[len(got):]) + list(got[len(ref):]):
+    for p in list(ref[len(got) :]) + list(got[len(ref) :]):
         where = {"part": p.name, "note": "present on one side only"}
         out.append(PartDiff(p.data.nbytes, float("inf"), None, False, where, where, np.ones(1, bool)))
     return out
@@ -219,14 +225,14 @@ class Comparison:
     prefill_equal: bool
     steps: int
     mismatched_steps: int
-    first_mismatch: Optional[int]
+    first_mismatch: int | None
     max_mismatched_bytes: int
     max_abs_diff: float
-    max_ulp: Optional[int]
+    max_ulp: int | None
     argmax_equal: bool
-    first_diff: Optional[dict]
+    first_diff: dict | None
     violating_steps: list
-    first_violation: Optional[dict]
+    first_violation: dict | None
     ok: bool
 
     def to_json(self) -> dict:
@@ -259,8 +265,10 @@ def compare(variant: str, reference: Run, run: Run, contract: Contract) -> Compa
         if any(d.violation is not None for d in diffs):
             violating.append(step)
     if len(reference.steps) != len(run.steps):
-        note = {"step": min(len(reference.steps), len(run.steps)),
-                "note": f"{len(reference.steps)} reference steps, {len(run.steps)} replayed"}
+        note = {
+            "step": min(len(reference.steps), len(run.steps)),
+            "note": f"{len(reference.steps)} reference steps, {len(run.steps)} replayed",
+        }
         violating.append(note["step"])
         first_violation = first_violation or note
     mismatched = [s for s, n in enumerate(per_step_bytes) if n]
@@ -298,7 +306,7 @@ def without_rows(run: Run, rows: Sequence[int]) -> Run:
     return Run(keep(run.prefill), [keep(s) for s in run.steps], run.enqueue_ms, run.step_ms)
 
 
-def median_after_first(xs: Sequence[float]) -> Optional[float]:
+def median_after_first(xs: Sequence[float]) -> float | None:
     """The median of xs[1:] (step 0 compiles), upper middle; None with fewer than 2 values."""
     v = sorted(xs[1:])
     return v[len(v) // 2] if v else None
@@ -310,4 +318,3 @@ def timing(variant: str, run: Run) -> dict:
         "enqueue_ms_median": median_after_first(run.enqueue_ms),
         "step_ms_median": median_after_first(run.step_ms),
     }
-

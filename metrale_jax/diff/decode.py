@@ -22,13 +22,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from metrale_jax.diff.compare import (
-    BIT_IDENTICAL, Comparison, Part, Run, compare, diff_part, diff_parts, saw_difference,
-    timing, without_rows,
+    BIT_IDENTICAL,
+    Comparison,
+    Part,
+    Run,
+    compare,
+    diff_part,
+    diff_parts,
+    saw_difference,
+    timing,
+    without_rows,
 )
 from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.progress import Progress
@@ -58,8 +66,16 @@ class Decoded:
     moves: list[dict] = dataclasses.field(default_factory=list)
 
 
-def run_decode(engine, rows: Sequence[Sequence[int]], steps: int, *, tokens: Optional[list[list[int]]] = None,
-               fragment: bool = False, spill: Optional[Spill] = None, progress: Progress = Progress()) -> Decoded:
+def run_decode(
+    engine,
+    rows: Sequence[Sequence[int]],
+    steps: int,
+    *,
+    tokens: list[list[int]] | None = None,
+    fragment: bool = False,
+    spill: Spill | None = None,
+    progress: Progress = Progress(),
+) -> Decoded:
     """Prefill `rows` (one sequence each, batch order), then `steps` `decode_batch` steps.
     tokens: per row, the steps + 1 tokens to feed (None: greedy from the run's own logits)."""
     out = Decoded(tokens=[], run=Run(prefill=[]))
@@ -98,8 +114,9 @@ def diff_prompts(engine, variants: Sequence[Variant], *, n_prompts: int, steps: 
     for p, prompt in enumerate(prompts(n_prompts, vocab)):
         progress.section(f"prompt {p}", (len(variants) + 1 + (p == 0)) * (steps + 1))
         ref = run_decode(engine, [prompt], steps, progress=progress)
-        runs = replay_all(engine, variants,
-                          lambda: run_decode(engine, [prompt], steps, tokens=ref.tokens, progress=progress).run)
+        runs = replay_all(
+            engine, variants, lambda: run_decode(engine, [prompt], steps, tokens=ref.tokens, progress=progress).run
+        )
         comparisons, timings = compare_all(variants, ref.run, runs)
         reasons += [failure_line(f"prompt {p}", c) for c in comparisons if not c.ok]
         sections.append({"tokens": len(prompt), "comparisons": [c.to_json() for c in comparisons], "timings": timings})
@@ -112,8 +129,9 @@ def diff_prompts(engine, variants: Sequence[Variant], *, n_prompts: int, steps: 
     return {"prompts": sections, "detection_control": control.to_json()}, reasons
 
 
-def diff_widths(engine, variants: Sequence[Variant], *, widths: Sequence[int], fragment: bool, steps: int,
-                progress: Progress):
+def diff_widths(
+    engine, variants: Sequence[Variant], *, widths: Sequence[int], fragment: bool, steps: int, progress: Progress
+):
     """`--batch`. Returns (report fields, reasons)."""
     vocab = engine.cfg.vocab_size
     sections, reasons = [], []
@@ -121,18 +139,28 @@ def diff_widths(engine, variants: Sequence[Variant], *, widths: Sequence[int], f
         progress.section(f"batch n={n}", (len(variants) + 2) * (steps + 1))
         rows = batch_prompts(n, vocab)
         ref = run_decode(engine, rows, steps, fragment=fragment, progress=progress)
-        runs = replay_all(engine, variants, lambda: run_decode(
-            engine, rows, steps, tokens=ref.tokens, fragment=fragment, progress=progress).run)
+        runs = replay_all(
+            engine,
+            variants,
+            lambda: run_decode(engine, rows, steps, tokens=ref.tokens, fragment=fragment, progress=progress).run,
+        )
         left_out = [_left_out(ref.run, r, v.contract) for v, r in zip(variants, runs)]
-        comparisons = [compare(v.label, without_rows(ref.run, skip), without_rows(r, skip), v.contract)
-                       for v, r, skip in zip(variants, runs, left_out)]
+        comparisons = [
+            compare(v.label, without_rows(ref.run, skip), without_rows(r, skip), v.contract)
+            for v, r, skip in zip(variants, runs, left_out)
+        ]
         row = control_row(n, sorted({i for skip in left_out for i in skip}))
         at = steps // 2
-        r = run_decode(engine, rows, steps, tokens=_changed(ref.tokens, row, at, vocab), fragment=fragment,
-                       progress=progress)
+        r = run_decode(
+            engine, rows, steps, tokens=_changed(ref.tokens, row, at, vocab), fragment=fragment, progress=progress
+        )
         control_skip = _left_out(ref.run, r.run, BIT_IDENTICAL)
-        control = compare(f"{REFERENCE}, row {row}'s token changed at step {at}",
-                          without_rows(ref.run, control_skip), without_rows(r.run, control_skip), BIT_IDENTICAL)
+        control = compare(
+            f"{REFERENCE}, row {row}'s token changed at step {at}",
+            without_rows(ref.run, control_skip),
+            without_rows(r.run, control_skip),
+            BIT_IDENTICAL,
+        )
         left_out.append(control_skip)
         deltas = [_row_deltas(ref.run, run, skip) for run, skip in zip(runs + [r.run], left_out)]
         where = f"batch n={n}"
@@ -144,12 +172,17 @@ def diff_widths(engine, variants: Sequence[Variant], *, widths: Sequence[int], f
         reasons += [failure_line(where, c) for c in comparisons if not c.ok]
         if not saw_difference(control):
             reasons.append(f"{where}: the detection control saw no difference after changing a token")
-        sections.append({
-            "rows": n, "changed_row": row, "comparisons": [c.to_json() for c in comparisons],
-            "prefill_rows_differ": left_out, "prefill_row_deltas": deltas,
-            "timings": [timing(REFERENCE, ref.run)] + [timing(v.label, x) for v, x in zip(variants, runs)],
-            "detection_control": control.to_json(),
-        })
+        sections.append(
+            {
+                "rows": n,
+                "changed_row": row,
+                "comparisons": [c.to_json() for c in comparisons],
+                "prefill_rows_differ": left_out,
+                "prefill_row_deltas": deltas,
+                "timings": [timing(REFERENCE, ref.run)] + [timing(v.label, x) for v, x in zip(variants, runs)],
+                "detection_control": control.to_json(),
+            }
+        )
     return {"fragment_slots": fragment, "widths": sections}, reasons
 
 
@@ -162,7 +195,7 @@ def _row_deltas(reference: Run, run: Run, rows: Sequence[int]) -> list[dict]:
     """{row, bytes, max_abs, argmax_equal} of each left-out row's prefill logits."""
     out = []
     for i in rows:
-        a, b = (Part("logits", x.prefill[0].data[i:i + 1], "logits") for x in (reference, run))
+        a, b = (Part("logits", x.prefill[0].data[i : i + 1], "logits") for x in (reference, run))
         d = diff_part(a, b, BIT_IDENTICAL)
         out.append({"row": i, "bytes": d.differing_bytes, "max_abs": d.max_abs, "argmax_equal": d.argmax_equal})
     return out
@@ -190,15 +223,26 @@ def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Prog
             controls.append((f"{label}, record changed ({where})", BIT_IDENTICAL, spilled(lambda own: [changed])))
     comparisons = [_swap_comparison(engine.cfg, label, ref, ref_record, r, c, at) for label, c, r in runs]
     control_rows = [_swap_comparison(engine.cfg, label, ref, ref_record, r, c, at) for label, c, r in controls]
-    reasons = [f"swap, {c['variant']}: record {'ok' if c['record_ok'] else 'differs'}, steps before the spill "
-               f"{'ok' if c['steps_before_ok'] else 'differ'}, after {'ok' if c['steps_after_ok'] else 'differ'}; "
-               f"first at {describe(c['comparison']['first_violation'] or c['record_first_violation'])}"
-               for c in comparisons if not (c["record_ok"] and c["steps_before_ok"] and c["steps_after_ok"])]
-    reasons += [f"swap control `{c['variant']}` saw no difference after the spill"
-                for c in control_rows if not c["saw_difference_after"]]
-    return {"prompt_tokens": len(prompt), "spill_before_step": at, "moves": ref.moves,
-            "timings": [timing(REFERENCE, ref.run)] + [timing(label, r.run) for label, _, r in runs[:-1]],
-            "comparisons": comparisons, "controls": control_rows}, reasons
+    reasons = [
+        f"swap, {c['variant']}: record {'ok' if c['record_ok'] else 'differs'}, steps before the spill "
+        f"{'ok' if c['steps_before_ok'] else 'differ'}, after {'ok' if c['steps_after_ok'] else 'differ'}; "
+        f"first at {describe(c['comparison']['first_violation'] or c['record_first_violation'])}"
+        for c in comparisons
+        if not (c["record_ok"] and c["steps_before_ok"] and c["steps_after_ok"])
+    ]
+    reasons += [
+        f"swap control `{c['variant']}` saw no difference after the spill"
+        for c in control_rows
+        if not c["saw_difference_after"]
+    ]
+    return {
+        "prompt_tokens": len(prompt),
+        "spill_before_step": at,
+        "moves": ref.moves,
+        "timings": [timing(REFERENCE, ref.run)] + [timing(label, r.run) for label, _, r in runs[:-1]],
+        "comparisons": comparisons,
+        "controls": control_rows,
+    }, reasons
 
 
 def _swap_comparison(cfg, label: str, ref: Decoded, ref_record: list[Part], run: Decoded, contract, at: int) -> dict:

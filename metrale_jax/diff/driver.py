@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jaxlib
@@ -33,41 +33,64 @@ def provenance(engine) -> dict:
     """What the bytes depend on besides the model: versions, backend, XLA flags, threads,
     dtypes, and every engine setting with the rule that set it."""
     return {
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
-        "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "cpu_threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "dtype": str(engine.dtype),
-        "settings": [{"setting": p.setting, "requested": p.requested, "effective": p.effective, "rule": p.rule}
-                     for p in engine.settings.provenance],
+        "settings": [
+            {"setting": p.setting, "requested": p.requested, "effective": p.effective, "rule": p.rule}
+            for p in engine.settings.provenance
+        ],
     }
 
 
-def run_diff(engine, request: DiffRequest, variants: Sequence[Variant], unavailable: Sequence[dict] = (),
-             progress: Progress = Progress()) -> dict:
+def run_diff(
+    engine,
+    request: DiffRequest,
+    variants: Sequence[Variant],
+    unavailable: Sequence[dict] = (),
+    progress: Progress = Progress(),
+) -> dict:
     """Run `request` on `engine`: the reference forward, then each of `variants` replaying it.
     `unavailable` lists forwards that could not run ({name, reason}), reported as such.
     Raises DiffRequestError for a request the engine cannot serve; returns the report."""
     request.check()
     request.check_engine(engine)
     if not variants:
-        raise DiffRequestError("no forward to compare with the reference"
-                               + "".join(f"; {u['name']} is unavailable: {u['reason']}" for u in unavailable))
+        raise DiffRequestError(
+            "no forward to compare with the reference"
+            + "".join(f"; {u['name']} is unavailable: {u['reason']}" for u in unavailable)
+        )
     r, t0 = request, time.perf_counter()
     engine.set_forward(REFERENCE)
     try:
         if r.mode == "default":
             fields, reasons = diff_prompts(engine, variants, n_prompts=r.prompts, steps=r.steps, progress=progress)
         elif r.mode == "batch":
-            fields, reasons = diff_widths(engine, variants, widths=r.batch, fragment=r.fragment_slots, steps=r.steps,
-                                          progress=progress)
+            fields, reasons = diff_widths(
+                engine, variants, widths=r.batch, fragment=r.fragment_slots, steps=r.steps, progress=progress
+            )
         elif r.mode in ("verify", "verify-batch"):
-            plan = verify_plan(engine, single_ks=r.verify, widths=r.verify_batch, ks=r.verify_batch_ks,
-                               fragment=r.fragment_slots)
-            fields, reasons = diff_verify(engine, variants, plan, steps=r.steps, fragment=r.fragment_slots, mtp=r.mtp,
-                                          progress=progress, single=r.mode == "verify")
+            plan = verify_plan(
+                engine, single_ks=r.verify, widths=r.verify_batch, ks=r.verify_batch_ks, fragment=r.fragment_slots
+            )
+            fields, reasons = diff_verify(
+                engine,
+                variants,
+                plan,
+                steps=r.steps,
+                fragment=r.fragment_slots,
+                mtp=r.mtp,
+                progress=progress,
+                single=r.mode == "verify",
+            )
         elif r.mode == "prefill":
-            fields, reasons = diff_prefill(engine, variants, lengths=r.prefill, chunks=r.prefill_chunk,
-                                           progress=progress)
+            fields, reasons = diff_prefill(
+                engine, variants, lengths=r.prefill, chunks=r.prefill_chunk, progress=progress
+            )
         else:
             fields, reasons = diff_swap(engine, variants, steps=r.steps, progress=progress)
     finally:

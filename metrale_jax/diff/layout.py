@@ -17,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ class SequenceBatch:
         self._allocated.append(seq)
         return seq
 
-    def __enter__(self) -> "SequenceBatch":
+    def __enter__(self) -> SequenceBatch:
         try:
             for i in range(self.n):
                 if self.fragment and i == self.n // 2:
@@ -52,7 +52,8 @@ class SequenceBatch:
                 if seq.slot != slot_of(i, self.n, self.fragment):
                     raise LayoutError(
                         f"sequence {i} took slot {seq.slot}, not {slot_of(i, self.n, self.fragment)}: "
-                        "another sequence is live on this engine")
+                        "another sequence is live on this engine"
+                    )
                 self.seqs.append(seq)
         except BaseException:
             self._free_all()

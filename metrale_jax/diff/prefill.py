@@ -20,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, bounded, combine, compare, diff_parts
 from metrale_jax.diff.layout import SequenceBatch
@@ -34,7 +34,7 @@ from metrale_jax.diff.variants import REFERENCE, Variant, selected
 CHUNK_RTOL = 1e-3
 
 
-def run_prefill(engine, prompt: Sequence[int], chunk: Optional[int]) -> tuple[Run, float]:
+def run_prefill(engine, prompt: Sequence[int], chunk: int | None) -> tuple[Run, float]:
     """Prefill `prompt` into a fresh sequence `chunk` tokens at a time (None: the serve's
     chunk). Returns (run with the logits and state parts as its prefill, prefill ms)."""
     with SequenceBatch(engine, 1) as batch:
@@ -45,13 +45,13 @@ def run_prefill(engine, prompt: Sequence[int], chunk: Optional[int]) -> tuple[Ru
     return Run(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), ms
 
 
-def _splits(length: int, chunk: Optional[int], cap: int) -> tuple[int, ...]:
+def _splits(length: int, chunk: int | None, cap: int) -> tuple[int, ...]:
     """The chunk lengths a prefill of `length` tokens runs (the engine caps chunks at `cap`)."""
     c = min(chunk or cap, cap)
     return tuple(min(c, length - o) for o in range(0, length, c))
 
 
-def _first_state_diff(reference: Run, run: Run) -> Optional[str]:
+def _first_state_diff(reference: Run, run: Run) -> str | None:
     """The first state part (model layer order) whose bytes differ, or None."""
     states = [p for p in reference.prefill if p.name != "logits"]
     diffs = diff_parts(states, [p for p in run.prefill if p.name != "logits"], BIT_IDENTICAL)
@@ -63,8 +63,9 @@ def _outputs(run: Run) -> Run:
     return Run(prefill=[p for p in run.prefill if p.name != "tokens"])
 
 
-def diff_prefill(engine, variants: Sequence[Variant], *, lengths: Sequence[int], chunks: Sequence[int],
-                 progress: Progress):
+def diff_prefill(
+    engine, variants: Sequence[Variant], *, lengths: Sequence[int], chunks: Sequence[int], progress: Progress
+):
     """`--prefill`. Returns (report fields, reasons)."""
     vocab, cap = engine.cfg.vocab_size, engine.counts.prefill_chunk
     forwards = [Variant(REFERENCE, REFERENCE)] + list(variants)
@@ -89,19 +90,30 @@ def diff_prefill(engine, variants: Sequence[Variant], *, lengths: Sequence[int],
                 progress.advance()
                 label = f"{v.label}, {name}"
                 c = compare(label, ref, run, contract)
-                comparisons.append({"path": name, "forward": v.forward, **c.to_json(),
-                                    "state_diff": _first_state_diff(ref, run)})
+                comparisons.append(
+                    {"path": name, "forward": v.forward, **c.to_json(), "state_diff": _first_state_diff(ref, run)}
+                )
                 timings.append({"variant": label, "prefill_ms": ms})
                 if not c.ok:
                     reasons.append(failure_line(f"prefill L={length}", c))
-        sections.append({"tokens": length, "reference_state_digest": digests(ref.prefill[1:]),
-                         "comparisons": comparisons, "timings": timings})
+        sections.append(
+            {
+                "tokens": length,
+                "reference_state_digest": digests(ref.prefill[1:]),
+                "comparisons": comparisons,
+                "timings": timings,
+            }
+        )
     longest = max(lengths)
     prompt = prompt_of_len(longest, vocab)
     prompt[longest // 2] = (prompt[longest // 2] + 1) % vocab
     changed, _ = run_prefill(engine, prompt, None)
-    control = compare(f"{REFERENCE}, single, token {longest // 2} of {longest} changed",
-                      _outputs(refs[longest]), _outputs(changed), BIT_IDENTICAL)
+    control = compare(
+        f"{REFERENCE}, single, token {longest // 2} of {longest} changed",
+        _outputs(refs[longest]),
+        _outputs(changed),
+        BIT_IDENTICAL,
+    )
     if control.prefill_equal:
         reasons.append("the prefill detection control saw no difference after changing a token")
     return {"lengths": sections, "detection_control": control.to_json()}, reasons

@@ -55,6 +55,8 @@ class Bar(Progress):
         if not self.live:
             return
         fill = self.WIDTH * self.done // self.total
-        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (self.WIDTH - fill)}] "
-                          f"{self.done}/{self.total} {time.monotonic() - self.t0:.0f}s")
+        self.stream.write(
+            f"\r{self.label} [{'#' * fill}{'.' * (self.WIDTH - fill)}] "
+            f"{self.done}/{self.total} {time.monotonic() - self.t0:.0f}s"
+        )
         self.stream.flush()

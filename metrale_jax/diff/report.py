@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -27,30 +27,35 @@ def _step(loc: dict) -> str:
     return "the prefill" if s == "prefill" else s if isinstance(s, str) else f"step {s}"
 
 
-def describe(loc: Optional[dict]) -> str:
+def describe(loc: dict | None) -> str:
     """One line locating a difference: step, part, row, index, both values (hex), ULP, |Δ|."""
     if loc is None:
         return "nowhere"
     step = _step(loc)
     if "note" in loc:
         return f"{step}: {loc['part'] + ': ' if 'part' in loc else ''}{loc['note']}"
-    text = (f"{step}, {loc['part']} row {loc['row']} index {loc['index']}: {loc['reference']!r} "
-            f"({loc['reference_hex']}) vs {loc['replay']!r} ({loc['replay_hex']})")
+    text = (
+        f"{step}, {loc['part']} row {loc['row']} index {loc['index']}: {loc['reference']!r} "
+        f"({loc['reference_hex']}) vs {loc['replay']!r} ({loc['replay_hex']})"
+    )
     if loc.get("ulp") is not None:
         text += f", {loc['ulp']} ULP"
     text += f", |Δ| {loc['abs_diff']:.3g} (max {loc['max_abs_diff']:.3g})"
     if "argmax_equal" in loc:
-        text += ", argmax " + ("agrees" if loc["argmax_equal"] else
-                               f"differs ({loc['argmax_reference']} vs {loc['argmax_replay']})")
+        text += ", argmax " + (
+            "agrees" if loc["argmax_equal"] else f"differs ({loc['argmax_reference']} vs {loc['argmax_replay']})"
+        )
     return f"{text} [{loc['why']}]"
 
 
 def failure_line(where: str, c: Comparison) -> str:
     """The verdict's reason for a comparison that broke its contract."""
     steps = [s for s in c.violating_steps if s != "prefill"]
-    return (f"{where}, {c.variant} ({c.contract.split(':')[0]}): prefill "
-            f"{'ok' if 'prefill' not in c.violating_steps else 'differs'}, {len(steps)} of {c.steps} "
-            f"steps differ; first at {describe(c.first_violation)}")
+    return (
+        f"{where}, {c.variant} ({c.contract.split(':')[0]}): prefill "
+        f"{'ok' if 'prefill' not in c.violating_steps else 'differs'}, {len(steps)} of {c.steps} "
+        f"steps differ; first at {describe(c.first_violation)}"
+    )
 
 
 def _plain(x: Any) -> Any:
@@ -69,7 +74,7 @@ def to_json(report: dict) -> str:
     return json.dumps(_plain(report), indent=2, allow_nan=False) + "\n"
 
 
-def _where(loc: Optional[dict]) -> str:
+def _where(loc: dict | None) -> str:
     """A table cell locating a difference: step, part, row and index."""
     if loc is None:
         return "-"
@@ -89,19 +94,22 @@ def _table(comparisons: list[dict]) -> list[str]:
     head = ("variant", "contract", "prefill", "mismatched", "first mismatch", "max |Δ|", "")
     rows = [head]
     for c in comparisons:
-        rows.append((
-            c["variant"], _contract(c["contract"]),
-            "equal" if c["prefill_equal"] else ("within" if "prefill" not in c["violating_steps"] else "DIFFERS"),
-            f"{c['mismatched_steps']}/{c['steps']}" if c["steps"] else "-",
-            _where(c["first_diff"] if c["ok"] else c["first_violation"]),
-            f"{c['max_abs_diff']:.3g}",
-            "ok" if c["ok"] else "FAIL",
-        ))
+        rows.append(
+            (
+                c["variant"],
+                _contract(c["contract"]),
+                "equal" if c["prefill_equal"] else ("within" if "prefill" not in c["violating_steps"] else "DIFFERS"),
+                f"{c['mismatched_steps']}/{c['steps']}" if c["steps"] else "-",
+                _where(c["first_diff"] if c["ok"] else c["first_violation"]),
+                f"{c['max_abs_diff']:.3g}",
+                "ok" if c["ok"] else "FAIL",
+            )
+        )
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     return ["  " + "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _control(c: Optional[dict]) -> list[str]:
+def _control(c: dict | None) -> list[str]:
     if c is None:
         return []
     seen = c["mismatched_steps"] > 0 if c["steps"] else not c["prefill_equal"]
@@ -112,36 +120,64 @@ def _control(c: Optional[dict]) -> list[str]:
     return [f"  control: {c['variant']}: {what}, first at {_where(c['first_diff'])} -> {'fired' if seen else 'BLIND'}"]
 
 
-def _sections(report: dict) -> list[tuple[str, list[dict], Optional[dict], list[str]]]:
+def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str]]]:
     """(title, comparisons, control, extra lines) per table."""
     mode = report["mode"]
     out = []
     if mode == "default":
-        out = [(f"prompt {i} ({p['tokens']} tokens)", p["comparisons"], None, [])
-               for i, p in enumerate(report["prompts"])]
+        out = [
+            (f"prompt {i} ({p['tokens']} tokens)", p["comparisons"], None, []) for i, p in enumerate(report["prompts"])
+        ]
     elif mode == "batch":
-        out = [(f"batch n={w['rows']}", w["comparisons"], w["detection_control"],
-                [f"  left out (prefill differs): {w['prefill_rows_differ']}"] if any(w["prefill_rows_differ"]) else [])
-               for w in report["widths"]]
+        out = [
+            (
+                f"batch n={w['rows']}",
+                w["comparisons"],
+                w["detection_control"],
+                [f"  left out (prefill differs): {w['prefill_rows_differ']}"] if any(w["prefill_rows_differ"]) else [],
+            )
+            for w in report["widths"]
+        ]
     elif mode in ("verify", "verify-batch"):
         for s in report["verify" if mode == "verify" else "shapes"]:
             hist = " ".join(f"{a}:{n}" for a, n in s["accept_histogram"].items())
-            out.append((f"{mode} n={s['rows']} ks={s['ks']}", s["comparisons"], s["detection_control"],
-                        [f"  accepted drafts histogram: {hist} ({s['full_accepts']} full, "
-                         f"{s['partial_accepts']} partial)"]))
+            out.append(
+                (
+                    f"{mode} n={s['rows']} ks={s['ks']}",
+                    s["comparisons"],
+                    s["detection_control"],
+                    [f"  accepted drafts histogram: {hist} ({s['full_accepts']} full, {s['partial_accepts']} partial)"],
+                )
+            )
     elif mode == "prefill":
-        out = [(f"prefill L={s['tokens']}", s["comparisons"], None,
-                [f"  first differing state: {c['variant']}: {c['state_diff']}"
-                 for c in s["comparisons"] if c["state_diff"]])
-               for s in report["lengths"]]
+        out = [
+            (
+                f"prefill L={s['tokens']}",
+                s["comparisons"],
+                None,
+                [
+                    f"  first differing state: {c['variant']}: {c['state_diff']}"
+                    for c in s["comparisons"]
+                    if c["state_diff"]
+                ],
+            )
+            for s in report["lengths"]
+        ]
     else:
         moves = "; ".join(f"slot {m['slot'][0]}->{m['slot'][1]}" for m in report["moves"])
         record = {(True, True): "equal", (False, True): "within", (False, False): "DIFFERS"}
         extra = [f"  {c['variant']}: record {record[c['record_equal'], c['record_ok']]}" for c in report["comparisons"]]
-        extra += [f"  control {c['variant']}: {'fired' if c['saw_difference_after'] else 'BLIND'}"
-                  for c in report["controls"]]
-        out = [(f"swap before step {report['spill_before_step']} ({moves})",
-                [c["comparison"] for c in report["comparisons"]], None, extra)]
+        extra += [
+            f"  control {c['variant']}: {'fired' if c['saw_difference_after'] else 'BLIND'}" for c in report["controls"]
+        ]
+        out = [
+            (
+                f"swap before step {report['spill_before_step']} ({moves})",
+                [c["comparison"] for c in report["comparisons"]],
+                None,
+                extra,
+            )
+        ]
     if out and "detection_control" in report and mode in ("default", "prefill"):
         title, comps, _, extra = out[-1]
         out[-1] = (title, comps, report["detection_control"], extra)
@@ -161,4 +197,3 @@ def render_summary(report: dict) -> str:
     lines += ["", f"verdict: {report['verdict']} ({report['wall_s']:.1f} s)"]
     lines += [f"  - {r}" for r in report["reasons"]]
     return "\n".join(lines) + "\n"
-

@@ -41,8 +41,17 @@ class DiffRequest:
 
     @property
     def mode(self) -> str:
-        given = [m for m, on in (("batch", self.batch), ("verify", self.verify), ("verify-batch", self.verify_batch),
-                                 ("prefill", self.prefill), ("swap", self.swap)) if on]
+        given = [
+            m
+            for m, on in (
+                ("batch", self.batch),
+                ("verify", self.verify),
+                ("verify-batch", self.verify_batch),
+                ("prefill", self.prefill),
+                ("swap", self.swap),
+            )
+            if on
+        ]
         return given[0] if len(given) == 1 else "default"
 
     @property
@@ -52,30 +61,54 @@ class DiffRequest:
 
     def check(self) -> None:
         """Refuse a request that is wrong whatever the engine (DiffRequestError)."""
-        given = [f for f, on in (("--batch", self.batch), ("--verify", self.verify),
-                                 ("--verify-batch", self.verify_batch), ("--prefill", self.prefill),
-                                 ("--swap", self.swap)) if on]
+        given = [
+            f
+            for f, on in (
+                ("--batch", self.batch),
+                ("--verify", self.verify),
+                ("--verify-batch", self.verify_batch),
+                ("--prefill", self.prefill),
+                ("--swap", self.swap),
+            )
+            if on
+        ]
         problems = [
             (len(given) > 1, f"{' and '.join(given)} are separate diffs: give one mode"),
             (self.steps < 2, f"--steps must be at least 2, got {self.steps}"),
             (self.prompts < 1, f"--prompts must be at least 1, got {self.prompts}"),
-            (bool(self.verify_batch) != bool(self.verify_batch_ks),
-             "--verify-batch and --verify-batch-ks need each other"),
-            (self.mtp and not (self.verify or self.verify_batch),
-             "--mtp runs the drafter of --verify or --verify-batch; give one of them"),
-            (self.fragment_slots and not (self.batch or self.verify_batch),
-             "--fragment-slots applies to --batch or --verify-batch"),
+            (
+                bool(self.verify_batch) != bool(self.verify_batch_ks),
+                "--verify-batch and --verify-batch-ks need each other",
+            ),
+            (
+                self.mtp and not (self.verify or self.verify_batch),
+                "--mtp runs the drafter of --verify or --verify-batch; give one of them",
+            ),
+            (
+                self.fragment_slots and not (self.batch or self.verify_batch),
+                "--fragment-slots applies to --batch or --verify-batch",
+            ),
             (bool(self.prefill_chunk) and not self.prefill, "--prefill-chunk needs --prefill"),
-            (self.swap and self.steps < 4,
-             f"--swap needs at least 4 steps (two each side of the spill), got {self.steps}"),
+            (
+                self.swap and self.steps < 4,
+                f"--swap needs at least 4 steps (two each side of the spill), got {self.steps}",
+            ),
         ]
-        problems += [(n < 2, f"{flag} width {n}: a batch is at least 2 sequences")
-                     for flag, ns in (("--batch", self.batch), ("--verify-batch", self.verify_batch)) for n in ns]
-        problems += [(not K_RANGE[0] <= k <= K_RANGE[1], f"{flag} {k}: K must be in {K_RANGE[0]}..{K_RANGE[1]}")
-                     for flag, ks in (("--verify", self.verify), ("--verify-batch-ks", self.verify_batch_ks))
-                     for k in ks]
-        problems += [(x < 1, f"{flag} {x}: must be at least 1")
-                     for flag, xs in (("--prefill", self.prefill), ("--prefill-chunk", self.prefill_chunk)) for x in xs]
+        problems += [
+            (n < 2, f"{flag} width {n}: a batch is at least 2 sequences")
+            for flag, ns in (("--batch", self.batch), ("--verify-batch", self.verify_batch))
+            for n in ns
+        ]
+        problems += [
+            (not K_RANGE[0] <= k <= K_RANGE[1], f"{flag} {k}: K must be in {K_RANGE[0]}..{K_RANGE[1]}")
+            for flag, ks in (("--verify", self.verify), ("--verify-batch-ks", self.verify_batch_ks))
+            for k in ks
+        ]
+        problems += [
+            (x < 1, f"{flag} {x}: must be at least 1")
+            for flag, xs in (("--prefill", self.prefill), ("--prefill-chunk", self.prefill_chunk))
+            for x in xs
+        ]
         for bad, message in problems:
             if bad:
                 raise DiffRequestError(message)
@@ -107,12 +140,16 @@ class DiffRequest:
             (bool(self.ks) and not s.speculative, f"{mode_flag} verifies drafts: it needs --speculative"),
             (k_top - 1 > s.num_drafts, f"{ks_flag} {k_top} needs --num-drafts >= {k_top - 1} (got {s.num_drafts})"),
             (self.mtp and not engine.drafter, "--mtp needs a checkpoint with an MTP layer and --speculative"),
-            (self.slots_needed() > s.max_batch_size,
-             f"this diff holds {self.slots_needed()} sequences at once: it needs --max-batch-size >= "
-             f"{self.slots_needed()} (got {s.max_batch_size})"),
-            (self.tokens_needed(s.num_drafts) > s.max_seq_len,
-             f"this diff reaches {self.tokens_needed(s.num_drafts)} tokens: it needs --max-seq-len >= "
-             f"{self.tokens_needed(s.num_drafts)} (got {s.max_seq_len})"),
+            (
+                self.slots_needed() > s.max_batch_size,
+                f"this diff holds {self.slots_needed()} sequences at once: it needs --max-batch-size >= "
+                f"{self.slots_needed()} (got {s.max_batch_size})",
+            ),
+            (
+                self.tokens_needed(s.num_drafts) > s.max_seq_len,
+                f"this diff reaches {self.tokens_needed(s.num_drafts)} tokens: it needs --max-seq-len >= "
+                f"{self.tokens_needed(s.num_drafts)} (got {s.max_seq_len})",
+            ),
         ]
         for bad, message in problems:
             if bad:

@@ -13,7 +13,7 @@ Invariant: pure functions of plain ints and lists; no engine, no numpy state.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 def batch_shapes(n: int, ks: Sequence[int]) -> list[list[int]]:

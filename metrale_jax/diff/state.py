@@ -36,15 +36,21 @@ def state_parts(cfg, record: dict) -> list[Part]:
     parts = []
     for layer in range(cfg.num_hidden_layers):
         if layer in lin:
-            parts += [Part(f"layer {layer} gdn h", dev["gdn_h"][lin[layer]], "values"),
-                      Part(f"layer {layer} gdn conv", dev["gdn_conv"][lin[layer]], "values")]
+            parts += [
+                Part(f"layer {layer} gdn h", dev["gdn_h"][lin[layer]], "values"),
+                Part(f"layer {layer} gdn conv", dev["gdn_conv"][lin[layer]], "values"),
+            ]
         else:
-            parts += [Part(f"layer {layer} kv {t}", _positions(dev[f"kv_{t}"][full[layer]], n), "values")
-                      for t in ("k", "v")]
+            parts += [
+                Part(f"layer {layer} kv {t}", _positions(dev[f"kv_{t}"][full[layer]], n), "values") for t in ("k", "v")
+            ]
     if "stash" in dev:
         parts.append(Part("mtp stash", dev["stash"][None], "values"))
-        parts += [Part(f"mtp layer {m} kv {t}", _positions(dev[f"draft_{t}"][m], record["drafter_len"]), "values")
-                  for m in range(dev["draft_k"].shape[0]) for t in ("k", "v")]
+        parts += [
+            Part(f"mtp layer {m} kv {t}", _positions(dev[f"draft_{t}"][m], record["drafter_len"]), "values")
+            for m in range(dev["draft_k"].shape[0])
+            for t in ("k", "v")
+        ]
     return parts + [Part("tokens", np.asarray(record["tokens"], np.int32), "tokens")]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
 from metrale_jax.engine.engine import FORWARDS, make_ops
@@ -41,7 +41,7 @@ class Variant:
     contract: Contract = BIT_IDENTICAL
 
 
-def default_variants(names: Optional[Iterable[str]] = None) -> tuple[list[Variant], list[dict]]:
+def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant], list[dict]]:
     """(variants, unavailable): `xla-repeat` and every non-reference engine forward, optionally
     restricted to the labels in `names`; a forward whose ops cannot be built is reported as
     {name, reason} instead (e.g. its kernels fail to import)."""
@@ -57,7 +57,11 @@ def default_variants(names: Optional[Iterable[str]] = None) -> tuple[list[Varian
             unavailable.append({"name": label, "reason": f"{type(e).__name__}: {e}"})
             continue
         compiled_kernels = forward != REFERENCE and not getattr(ops, "interpret", True)
-        contract = bounded(OTHER_FORWARD_RTOL, "compiled kernels, other reduction order") if compiled_kernels else BIT_IDENTICAL
+        contract = (
+            bounded(OTHER_FORWARD_RTOL, "compiled kernels, other reduction order")
+            if compiled_kernels
+            else BIT_IDENTICAL
+        )
         variants.append(Variant(label, forward, contract))
     return variants, unavailable
 
@@ -85,8 +89,9 @@ def replay_all(engine, variants: Sequence[Variant], replay: Callable[[], Run]) -
     return runs
 
 
-def compare_all(variants: Sequence[Variant], reference: Run,
-                runs: Sequence[Run]) -> tuple[list[Comparison], list[dict]]:
+def compare_all(
+    variants: Sequence[Variant], reference: Run, runs: Sequence[Run]
+) -> tuple[list[Comparison], list[dict]]:
     """Each variant's run against `reference` under its contract: (comparisons, timings), the
     reference's timing first."""
     comparisons = [compare(v.label, reference, r, v.contract) for v, r in zip(variants, runs)]
@@ -101,10 +106,16 @@ def disclosed(engine, variants: Sequence[Variant], unavailable: Sequence[dict]) 
     rows = [(REFERENCE, REFERENCE, None)] + [(v.label, v.forward, v.contract) for v in variants]
     for label, forward, contract in rows:
         d = engine.disclosure(forward)
-        out.append({
-            "name": label, "forward": forward, "available": True,
-            "contract": "reference" if contract is None else contract.describe(),
-            "plan_digest": d["plan_digest"], "launches_per_step": d["launches_per_step"],
-            "programs": len(d["programs"]), "refusals": d.get("refusals", []),
-        })
+        out.append(
+            {
+                "name": label,
+                "forward": forward,
+                "available": True,
+                "contract": "reference" if contract is None else contract.describe(),
+                "plan_digest": d["plan_digest"],
+                "launches_per_step": d["launches_per_step"],
+                "programs": len(d["programs"]),
+                "refusals": d.get("refusals", []),
+            }
+        )
     return out + [{"name": u["name"], "available": False, "reason": u["reason"]} for u in unavailable]

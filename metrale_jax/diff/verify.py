@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, compare, saw_difference
 from metrale_jax.diff.decode import run_decode
@@ -38,11 +38,17 @@ from metrale_jax.diff.progress import Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.schedule import (
-    accept_coverage, accept_histogram, batch_shapes, capped, dedup_consecutive, offsets, slot_of,
+    accept_coverage,
+    accept_histogram,
+    batch_shapes,
+    capped,
+    dedup_consecutive,
+    offsets,
+    slot_of,
     step_drafts,
 )
-from metrale_jax.engine.speculative import accepted_drafts as accepted
 from metrale_jax.diff.variants import REFERENCE, Variant, compare_all, replay_all
+from metrale_jax.engine.speculative import accepted_drafts as accepted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +59,18 @@ class Logged:
     accepted: tuple[int, ...]
 
 
-def run_verify(engine, rows: Sequence[Sequence[int]], ks: Sequence[int], steps: int, *,
-               greedy: Optional[Sequence[Sequence[int]]] = None, log: Optional[Sequence[Logged]] = None,
-               fragment: bool = False, num_drafts: Optional[int] = None,
-               progress: Progress = Progress()) -> tuple[list[Logged], Run]:
+def run_verify(
+    engine,
+    rows: Sequence[Sequence[int]],
+    ks: Sequence[int],
+    steps: int,
+    *,
+    greedy: Sequence[Sequence[int]] | None = None,
+    log: Sequence[Logged] | None = None,
+    fragment: bool = False,
+    num_drafts: int | None = None,
+    progress: Progress = Progress(),
+) -> tuple[list[Logged], Run]:
     """One run of `steps` verify steps of `rows` at widths `ks` (see the module docstring).
     Exactly one of `greedy` (reference: drafts from each row's greedy continuation, accepts
     from the verify's argmax) and `log` (replay) is given; `num_drafts` turns the drafter on."""
@@ -83,8 +97,11 @@ def run_verify(engine, rows: Sequence[Sequence[int]], ks: Sequence[int], steps: 
             t0 = time.perf_counter()
             logits, argmax = engine.verify_batched(seqs, tokens, ks)
             t1 = time.perf_counter()
-            na = list(log[s].accepted) if log is not None else [
-                accepted(tokens[off[i]:off[i + 1]], argmax[off[i]:off[i + 1]]) for i in range(n)]
+            na = (
+                list(log[s].accepted)
+                if log is not None
+                else [accepted(tokens[off[i] : off[i + 1]], argmax[off[i] : off[i + 1]]) for i in range(n)]
+            )
             if num_drafts:
                 engine.stash_verify_hidden_rows(seqs, [off[i] + na[i] for i in range(n)])
             engine.gdn_fold_accepted(seqs, [a + 1 for a in na], ks)
@@ -99,8 +116,11 @@ def run_verify(engine, rows: Sequence[Sequence[int]], ks: Sequence[int], steps: 
                 drafts, conf, draft_logits = engine.propose_batched(seqs, last, num_drafts)
                 for seq in seqs:
                     engine.trim_proposer(seq, 0)
-                parts += [Part("propose logits", draft_logits, "logits"), Part("drafts", drafts, "tokens"),
-                          Part("confidences", conf, "values")]
+                parts += [
+                    Part("propose logits", draft_logits, "logits"),
+                    Part("drafts", drafts, "tokens"),
+                    Part("confidences", conf, "values"),
+                ]
             out.append(Logged(tuple(int(t) for t in tokens), tuple(na)))
             run.steps.append(parts)
             run.enqueue_ms.append((t1 - t0) * 1e3)
@@ -116,12 +136,14 @@ def _changed(log: Sequence[Logged], at: int, row: int, vocab: int) -> list[Logge
     return [dataclasses.replace(x, tokens=tuple(tokens)) if s == at else x for s, x in enumerate(log)]
 
 
-def verify_plan(engine, *, single_ks: Sequence[int] = (), widths: Sequence[int] = (), ks: Sequence[int] = (),
-                fragment: bool = False) -> list[tuple[list[list[int]], list[list[int]]]]:
+def verify_plan(
+    engine, *, single_ks: Sequence[int] = (), widths: Sequence[int] = (), ks: Sequence[int] = (), fragment: bool = False
+) -> list[tuple[list[list[int]], list[list[int]]]]:
     """[(prompts, shapes)]: `--verify` runs prompt 0 alone at each K in `single_ks`;
     `--verify-batch` runs `batch_prompts(n)` for each n in `widths` at `batch_shapes(n, ks)`.
     Each sequence's K is capped by its slot's verify capacity (drafts + 1), then consecutive
     repeats are dropped."""
+
     def cap_for(n):
         return lambda i: engine.counts.slot_draft_capacity(slot_of(i, n, fragment)) + 1
 
@@ -129,12 +151,23 @@ def verify_plan(engine, *, single_ks: Sequence[int] = (), widths: Sequence[int] 
     if single_ks:
         shapes = [capped([k], cap_for(1)) for k in single_ks]
         return [(prompts(1, vocab), dedup_consecutive(shapes))]
-    return [(batch_prompts(n, vocab), dedup_consecutive([capped(s, cap_for(n)) for s in batch_shapes(n, ks)]))
-            for n in widths]
+    return [
+        (batch_prompts(n, vocab), dedup_consecutive([capped(s, cap_for(n)) for s in batch_shapes(n, ks)]))
+        for n in widths
+    ]
 
 
-def diff_verify(engine, variants: Sequence[Variant], plan, *, steps: int, fragment: bool, mtp: bool,
-                progress: Progress, single: bool):
+def diff_verify(
+    engine,
+    variants: Sequence[Variant],
+    plan,
+    *,
+    steps: int,
+    fragment: bool,
+    mtp: bool,
+    progress: Progress,
+    single: bool,
+):
     """`--verify` (single) or `--verify-batch`. Returns (report fields, reasons)."""
     nd = engine.settings.num_drafts if mtp else None
     sections, warmups, reasons = [], [], []
@@ -147,15 +180,21 @@ def diff_verify(engine, variants: Sequence[Variant], plan, *, steps: int, fragme
             progress.section(where, (len(variants) + 2) * (steps + 1) + 4 * probe)
 
             def reference(k=steps):
-                return run_verify(engine, rows, ks, k, greedy=greedy, fragment=fragment, num_drafts=nd,
-                                  progress=progress)
+                return run_verify(
+                    engine, rows, ks, k, greedy=greedy, fragment=fragment, num_drafts=nd, progress=progress
+                )
 
             if probe:
                 equal = compare("first propose", reference(1)[1], reference(1)[1], BIT_IDENTICAL).ok
                 warmups.append({"rows": n, "first_proposes_equal": equal, "discarded_run": not equal})
             log, ref = reference()
-            runs = replay_all(engine, variants, lambda: run_verify(
-                engine, rows, ks, steps, log=log, fragment=fragment, num_drafts=nd, progress=progress)[1])
+            runs = replay_all(
+                engine,
+                variants,
+                lambda: run_verify(
+                    engine, rows, ks, steps, log=log, fragment=fragment, num_drafts=nd, progress=progress
+                )[1],
+            )
             comparisons, timings = compare_all(variants, ref, runs)
             at, row = steps // 2, offsets(ks)[n // 2] + ks[n // 2] - 1
             changed = _changed(log, at, row, engine.cfg.vocab_size)
@@ -168,13 +207,21 @@ def diff_verify(engine, variants: Sequence[Variant], plan, *, steps: int, fragme
                 reasons.append(f"{where}: the detection control saw no difference after changing a draft")
             if full == 0 or partial == 0:
                 reasons.append(f"{where}: {full} full and {partial} partial accepts; it needs both")
-            section = {"rows": n, "ks": list(ks), "accepted": acc, "accept_histogram": accept_histogram(acc),
-                       "full_accepts": full, "partial_accepts": partial,
-                       "comparisons": [c.to_json() for c in comparisons], "timings": timings,
-                       "detection_control": control.to_json()}
+            section = {
+                "rows": n,
+                "ks": list(ks),
+                "accepted": acc,
+                "accept_histogram": accept_histogram(acc),
+                "full_accepts": full,
+                "partial_accepts": partial,
+                "comparisons": [c.to_json() for c in comparisons],
+                "timings": timings,
+                "detection_control": control.to_json(),
+            }
             sections.append({"k": ks[0], **section} if single else section)
-    fields = {"mtp": mtp, "verify": sections} if single else {
-        "fragment_slots": fragment, "drafter": mtp, "shapes": sections}
+    fields = (
+        {"mtp": mtp, "verify": sections} if single else {"fragment_slots": fragment, "drafter": mtp, "shapes": sections}
+    )
     if mtp:
         fields["drafter_warmup"] = warmups
     return fields, reasons

@@ -13,6 +13,7 @@ Invariants:
 - A verify slot's draft capacity comes from the K ladder: with the default ladder and 3 drafts,
   slots 0..7 hold 3 drafts and slots 8 and up hold 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,16 +69,12 @@ def parse_k_ladder(spec: str) -> KLadder:
     for part in text.split(","):
         fields = part.split(":")
         if len(fields) != 2 or not all(f.strip().isdigit() for f in fields):
-            raise ValueError(
-                f"K ladder step {part.strip()!r} is not n_max:drafts with two positive integers"
-            )
+            raise ValueError(f"K ladder step {part.strip()!r} is not n_max:drafts with two positive integers")
         n_max, drafts = (int(f) for f in fields)
         if n_max < 1 or drafts < 1:
             raise ValueError(f"K ladder step {part.strip()!r}: n_max and drafts must be >= 1")
         if steps and n_max <= steps[-1][0]:
-            raise ValueError(
-                f"K ladder step {part.strip()!r}: n_max must increase (previous {steps[-1][0]})"
-            )
+            raise ValueError(f"K ladder step {part.strip()!r}: n_max must increase (previous {steps[-1][0]})")
         steps.append((n_max, drafts))
     return tuple(steps)
 
@@ -152,11 +149,7 @@ def prefill_chunk_tokens(max_prefill_tokens: int, max_seq_len: int, block_size: 
     `--max-prefill-tokens` when set (any value but the 8192 default), else
     `min(max_seq_len, 8192)`; then at most 65535 tokens, rounded down to whole blocks.
     """
-    chunk = (
-        max_prefill_tokens
-        if max_prefill_tokens != UNSET_PREFILL_TOKENS
-        else min(max_seq_len, UNSET_PREFILL_TOKENS)
-    )
+    chunk = max_prefill_tokens if max_prefill_tokens != UNSET_PREFILL_TOKENS else min(max_seq_len, UNSET_PREFILL_TOKENS)
     if chunk > MAX_PREFILL_CHUNK:
         chunk = MAX_PREFILL_CHUNK // block_size * block_size
     return chunk
@@ -238,9 +231,7 @@ class PoolCounts:
         return self.slot_drafts[slot] if slot < self.mtp_slots else 0
 
 
-def pool_counts(
-    settings: EngineSettings, config: ModelCounts, *, tokens_per_seq: int | None = None
-) -> PoolCounts:
+def pool_counts(settings: EngineSettings, config: ModelCounts, *, tokens_per_seq: int | None = None) -> PoolCounts:
     """Every pool's unit count for `settings` over `config`.
 
     `tokens_per_seq` sizes the paged KV pools (default `settings.max_seq_len`; the memory
@@ -259,8 +250,7 @@ def pool_counts(
     mtp_slots = mtp_state_slots(real, s.mtp_max_seqs) if spec else 0
     if spec:
         slot_drafts = tuple(
-            verify_slot_drafts(slot, s.num_drafts, s.mtp_max_seqs, s.k_ladder)
-            for slot in range(mtp_slots)
+            verify_slot_drafts(slot, s.num_drafts, s.mtp_max_seqs, s.k_ladder) for slot in range(mtp_slots)
         )
         h_steps = (*slot_drafts, k - 1) if snapshot else (0,) * (mtp_slots + 1)
     else:
@@ -271,9 +261,7 @@ def pool_counts(
     kv_blocks = kv_blocks_for(real, tokens, s.block_size)
     per_seq_draft = tokens // DRAFT_KV_BLOCK_SIZE + 1
     draft_kv_blocks = (
-        min(per_seq_draft * s.mtp_max_seqs, per_seq_draft * real) + 1
-        if spec and config.num_mtp_layers > 0
-        else 0
+        min(per_seq_draft * s.mtp_max_seqs, per_seq_draft * real) + 1 if spec and config.num_mtp_layers > 0 else 0
     )
     chunk = prefill_chunk_tokens(s.max_prefill_tokens, s.max_seq_len, s.block_size)
     return PoolCounts(

@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +131,9 @@ class Engine:
             if s.freed:
                 raise EngineError(f"sequence {s.seq_id} was freed")
             if u > self.settings.max_seq_len:
-                raise EngineError(f"sequence {s.seq_id} would reach {u} tokens, over --max-seq-len {self.settings.max_seq_len}")
+                raise EngineError(
+                    f"sequence {s.seq_id} would reach {u} tokens, over --max-seq-len {self.settings.max_seq_len}"
+                )
         if sum(need) > self.blocks.free_count:
             raise EngineError(f"KV blocks exhausted: {sum(need)} needed, {self.blocks.free_count} free")
         if sum(dneed) > self.draft_blocks.free_count:
@@ -176,8 +178,17 @@ class Engine:
             padded[0, : len(part)] = part
             bt, dt = self._tables([seq])
             logits, self.pool = self.programs.run(
-                "prefill_chunk", tr.prefill_chunk, self._static(drafter=self.drafter),
-                self.pool, self.params, _i32(padded), _i32([seq.seq_len]), _i32([len(part)]), _i32([seq.slot]), bt, dt,
+                "prefill_chunk",
+                tr.prefill_chunk,
+                self._static(drafter=self.drafter),
+                self.pool,
+                self.params,
+                _i32(padded),
+                _i32([seq.seq_len]),
+                _i32([len(part)]),
+                _i32([seq.slot]),
+                bt,
+                dt,
             )
             seq.seq_len += len(part)
             seq.tokens += part
@@ -217,9 +228,20 @@ class Engine:
             r += len(rows)
         bt, dt = self._tables(list(seqs) + [None] * (width - n))
         logits, argmax, hidden, self.pool = self.programs.run(
-            "step_rows", tr.step_rows, self._static(verify=verify, drafter=self.drafter),
-            self.pool, self.params, _i32(toks), _i32(lens), _i32(seq_lens), _i32(slots), bt, dt,
-            _i32(vrow), _i32(vslot), _i32(row_index),
+            "step_rows",
+            tr.step_rows,
+            self._static(verify=verify, drafter=self.drafter),
+            self.pool,
+            self.params,
+            _i32(toks),
+            _i32(lens),
+            _i32(seq_lens),
+            _i32(slots),
+            bt,
+            dt,
+            _i32(vrow),
+            _i32(vslot),
+            _i32(row_index),
         )
         if starts is None:
             if verify:
@@ -300,8 +322,13 @@ class Engine:
     def _restore(self, seqs, mask) -> None:
         dummy = self.counts.slots - 1
         vslots = [self.counts.verify_slot(s.slot) for s in seqs]
-        slots, vs, m = self._padded(seqs, [s.slot for s in seqs], vslots, [int(x) for x in mask],
-                                    pad_values=(dummy, self.counts.verify_slots - 1, 0))
+        slots, vs, m = self._padded(
+            seqs,
+            [s.slot for s in seqs],
+            vslots,
+            [int(x) for x in mask],
+            pad_values=(dummy, self.counts.verify_slots - 1, 0),
+        )
         self.pool = self.programs.run("restore_ckpt", tr.restore_checkpoint, {}, self.pool, slots, vs, m.astype(bool))
 
     def rollback_verify(self, seqs: Sequence[SequenceState]) -> None:
@@ -328,8 +355,9 @@ class Engine:
             return
         dummy = self.counts.slots - 1
         vslots = [self.counts.verify_slot(s.slot) for s in seqs]
-        slots, vs, r, k = self._padded(seqs, [s.slot for s in seqs], vslots, rows, ks,
-                                       pad_values=(dummy, self.counts.verify_slots - 1, 1, 1))
+        slots, vs, r, k = self._padded(
+            seqs, [s.slot for s in seqs], vslots, rows, ks, pad_values=(dummy, self.counts.verify_slots - 1, 1, 1)
+        )
         self.pool = self.programs.run("commit_conv", tr.commit_conv, {}, self.pool, slots, vs, r, k)
 
     def commit_accepted_prefix(self, seq: SequenceState, rows: int, k: int) -> None:
@@ -375,13 +403,22 @@ class Engine:
         self._reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
         n = len(seqs)
         dummy = self.counts.slots - 1
-        last_a, seq_lens, slots = self._padded(seqs, list(last), [s.seq_len for s in seqs], [s.slot for s in seqs],
-                                               pad_values=(0, 1, dummy))
+        last_a, seq_lens, slots = self._padded(
+            seqs, list(last), [s.seq_len for s in seqs], [s.slot for s in seqs], pad_values=(0, 1, dummy)
+        )
         valid = np.arange(bucket_width(n)) < n
         _, dt = self._tables(list(seqs) + [None] * (bucket_width(n) - n))
         drafts, conf, logits, self.pool = self.programs.run(
-            "propose", tr.propose, self._static(num_drafts=num_drafts),
-            self.pool, self.params, last_a, seq_lens, slots, dt, valid,
+            "propose",
+            tr.propose,
+            self._static(num_drafts=num_drafts),
+            self.pool,
+            self.params,
+            last_a,
+            seq_lens,
+            slots,
+            dt,
+            valid,
         )
         for s in seqs:
             s.last_num_drafted = num_drafts
@@ -399,8 +436,15 @@ class Engine:
     def save_sequence_state(self, seq: SequenceState) -> dict:
         """Swap-out record: numpy copies of everything the sequence owns on device, plus host facts."""
         bt, dt = self._tables([seq])
-        rec = self.programs.run("read_state", lambda pool, *a: (tr.read_sequence_state(pool, *a), pool), {},
-                                self.pool, _i32(seq.slot), bt[0], dt[0])
+        rec = self.programs.run(
+            "read_state",
+            lambda pool, *a: (tr.read_sequence_state(pool, *a), pool),
+            {},
+            self.pool,
+            _i32(seq.slot),
+            bt[0],
+            dt[0],
+        )
         rec, self.pool = rec
         return {
             "device": jax.tree_util.tree_map(np.asarray, rec),
@@ -421,5 +465,7 @@ class Engine:
             seq.draft_blocks += self.draft_blocks.alloc_many(extra)
         bt, dt = self._tables([seq])
         dev = jax.tree_util.tree_map(jnp.asarray, record["device"])
-        self.pool = self.programs.run("write_state", tr.write_sequence_state, {}, self.pool, dev, _i32(seq.slot), bt[0], dt[0])
+        self.pool = self.programs.run(
+            "write_state", tr.write_sequence_state, {}, self.pool, dev, _i32(seq.slot), bt[0], dt[0]
+        )
         seq.seq_len, seq.tokens, seq.drafter_len = record["seq_len"], list(record["tokens"]), record["drafter_len"]

@@ -20,8 +20,6 @@ Slot `slots - 1` is the padding dummy nothing real ever uses.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -38,11 +36,11 @@ H_DTYPES = {"f32": jnp.float32, "f16-pool": jnp.float16}
 @struct.dataclass
 class EnginePool:
     trunk: TrunkState
-    ckpt_h: Optional[jax.Array]
-    ckpt_conv: Optional[jax.Array]
-    draft_k: Optional[jax.Array]
-    draft_v: Optional[jax.Array]
-    stash: Optional[jax.Array]
+    ckpt_h: jax.Array | None
+    ckpt_conv: jax.Array | None
+    draft_k: jax.Array | None
+    draft_v: jax.Array | None
+    stash: jax.Array | None
 
 
 # Human names of the pools, in report order (the memory planner's rows).

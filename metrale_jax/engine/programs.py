@@ -20,13 +20,25 @@ import jax
 
 # Ops of an optimized XLA program that launch device work on their own (fusions and library
 # calls); what runs inside a fusion is one launch.
-_LAUNCH_RE = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*\S+\s+(fusion|custom-call|dot|convolution|scatter|gather|sort|while|conditional)\(", re.M)
+_LAUNCH_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?\S+\s*=\s*\S+\s+(fusion|custom-call|dot|convolution|scatter|gather|sort|while|conditional)\(",
+    re.M,
+)
 
 
 # A copy op of the entry computation and its result type without layout: "f32[2,5,64]".
 _COPY_RE = re.compile(r"=\s*(\w+\[[\d,]*\])(?:\{[^}]*\})?\s+copy\(", re.M)
-_HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "uint8": "u8",
-               "int8": "s8", "bool": "pred", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}
+_HLO_DTYPES = {
+    "float32": "f32",
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "int32": "s32",
+    "uint8": "u8",
+    "int8": "s8",
+    "bool": "pred",
+    "float8_e4m3fn": "f8e4m3fn",
+    "float8_e5m2": "f8e5m2",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +69,11 @@ def count_launches(hlo_text: str) -> int:
 def count_pool_copies(hlo_text: str, pool) -> int:
     """Copies in the entry computation whose result has the type of a leaf of `pool` with more
     than one element (XLA copies a donated buffer when it cannot update it in place)."""
-    types = {f"{_HLO_DTYPES.get(str(x.dtype), str(x.dtype))}[{','.join(map(str, x.shape))}]"
-             for x in jax.tree_util.tree_leaves(pool) if x.size > 1}
+    types = {
+        f"{_HLO_DTYPES.get(str(x.dtype), str(x.dtype))}[{','.join(map(str, x.shape))}]"
+        for x in jax.tree_util.tree_leaves(pool)
+        if x.size > 1
+    }
     entry = hlo_text.split("ENTRY", 1)[-1]
     return sum(t in types for t in _COPY_RE.findall(entry))
 
@@ -80,15 +95,21 @@ class ProgramCache:
             prog = jitted.lower(*args).compile()
             self.compilations += 1
             text = prog.as_text()
-            self.info[key] = ProgramInfo(name, hashlib.sha256(text.encode()).hexdigest()[:16], count_launches(text),
-                                         count_pool_copies(text, args[0]))
+            self.info[key] = ProgramInfo(
+                name,
+                hashlib.sha256(text.encode()).hexdigest()[:16],
+                count_launches(text),
+                count_pool_copies(text, args[0]),
+            )
             self._programs[key] = prog
         return prog(*args)
 
     def disclosure(self, forward: str) -> dict:
         """{plan_digest, launches_per_step, programs} over the programs compiled for `forward`
         (keys whose static `ops` has that name), in compilation order."""
-        infos = [i for k, i in self.info.items() if dict(k[1]).get("ops") is not None and dict(k[1])["ops"].name == forward]
+        infos = [
+            i for k, i in self.info.items() if dict(k[1]).get("ops") is not None and dict(k[1])["ops"].name == forward
+        ]
         if not infos:
             return {"plan_digest": None, "launches_per_step": None, "programs": []}
         h = hashlib.sha256("".join(i.digest for i in infos).encode()).hexdigest()[:16]

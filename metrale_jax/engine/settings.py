@@ -12,6 +12,7 @@ Invariants:
   records the rule that set it (`EngineSettings.provenance`, excluded from equality and hash).
 - Validation never stops at the first problem: `SettingsError.messages` holds one line each.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,9 +92,7 @@ class Behavior:
         for key in ("default_num_drafts", "mtp_max_seqs"):
             v = table.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise BehaviorError(
-                    f"{source}: [behavior] {key} must be a non-negative integer, got {v!r}"
-                )
+                raise BehaviorError(f"{source}: [behavior] {key} must be a non-negative integer, got {v!r}")
             values[key] = v
         kv = table.get("default_kv_dtype", "")
         if not isinstance(kv, str):
@@ -142,9 +141,7 @@ class EngineSettings:
     ssm_cache_slots: int
     ssm_decode_ring_slots: int
     gpu_memory_utilization: float
-    provenance: tuple[Provenance, ...] = dataclasses.field(
-        default=(), compare=False, repr=False
-    )
+    provenance: tuple[Provenance, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,23 +164,16 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("max_seq_len", 32768, int, "Longest sequence, prompt + output tokens."),
     _Flag("block_size", 16, int, "Tokens per paged-KV block."),
     _Flag("speculative", False, bool, "MTP speculative decoding.", off="--no-speculative"),
-    _Flag("num_drafts", None, int,
-          "Drafts per verify [MODEL.toml default_num_drafts, else 1]; K = drafts + 1."),
-    _Flag("mtp_max_seqs", None, int,
-          "MTP dispatch cap, 1..=128 [MODEL.toml mtp_max_seqs, else 32]."),
-    _Flag("mtp_k_ladder", None, str,
-          "K ladder n_max:drafts,... [4:3,8:3,16:1,32:1]: drafts at n active sequences."),
-    _Flag("kv_cache_dtype", None, str,
-          "KV-cache dtype bf16|fp8|f32 [MODEL.toml default_kv_dtype, else fp8]."),
+    _Flag("num_drafts", None, int, "Drafts per verify [MODEL.toml default_num_drafts, else 1]; K = drafts + 1."),
+    _Flag("mtp_max_seqs", None, int, "MTP dispatch cap, 1..=128 [MODEL.toml mtp_max_seqs, else 32]."),
+    _Flag("mtp_k_ladder", None, str, "K ladder n_max:drafts,... [4:3,8:3,16:1,32:1]: drafts at n active sequences."),
+    _Flag("kv_cache_dtype", None, str, "KV-cache dtype bf16|fp8|f32 [MODEL.toml default_kv_dtype, else fp8]."),
     _Flag("ssm_h_dtype", None, str, "Recurrent h-state pool dtype f32|f16-pool [f32]."),
-    _Flag("ssm_rollback_mode", "snapshot", str,
-          "Verify rollback: snapshot (per-draft states) or replay."),
+    _Flag("ssm_rollback_mode", "snapshot", str, "Verify rollback: snapshot (per-draft states) or replay."),
     _Flag("max_prefill_tokens", 8192, int, "Prefill chunk in tokens (8192 = unset)."),
-    _Flag("enable_prefix_caching", False, bool, "Prefix caching (with SSM snapshots).",
-          off="--disable-prefix-caching"),
+    _Flag("enable_prefix_caching", False, bool, "Prefix caching (with SSM snapshots).", off="--disable-prefix-caching"),
     _Flag("ssm_cache_slots", 16, int, "Prefix-cache SSM snapshot (Marconi) slots."),
-    _Flag("ssm_decode_ring_slots", "auto", str,
-          "Decode-rollback ring depth: auto or 0..=8."),
+    _Flag("ssm_decode_ring_slots", "auto", str, "Decode-rollback ring depth: auto or 0..=8."),
     _Flag("gpu_memory_utilization", 0.90, float, "Fraction of device memory to use, in (0, 1]."),
 )
 SERVE_SETTINGS: frozenset[str] = frozenset(f.name for f in _FLAGS)
@@ -194,11 +184,16 @@ def serve_options(f: Callable[..., Any]) -> Callable[..., Any]:
     fields, plus `mtp_k_ladder`). Values stay raw: pass them to `resolve_settings`."""
     for flag in reversed(_FLAGS):
         if flag.type is bool:
-            f = click.option(f"{flag.opt}/{flag.off}", flag.name, default=flag.default,
-                             help=flag.help)(f)
+            f = click.option(f"{flag.opt}/{flag.off}", flag.name, default=flag.default, help=flag.help)(f)
         else:
-            f = click.option(flag.opt, flag.name, type=flag.type, default=flag.default,
-                             show_default=flag.default is not None, help=flag.help)(f)
+            f = click.option(
+                flag.opt,
+                flag.name,
+                type=flag.type,
+                default=flag.default,
+                show_default=flag.default is not None,
+                help=flag.help,
+            )(f)
     return f
 
 
@@ -206,8 +201,11 @@ def pop_serve_raw(ctx: click.Context, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Remove the serve flags from a command's `kwargs`; return those given on the command line
     (not defaulted), ready for `resolve_settings`, which then knows what was asked for."""
     raw = {name: kwargs.pop(name) for name in list(kwargs) if name in SERVE_SETTINGS}
-    return {name: value for name, value in raw.items()
-            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
+    return {
+        name: value
+        for name, value in raw.items()
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    }
 
 
 def _shown(value: Any) -> str:
@@ -244,9 +242,7 @@ def _count_or_keyword(flag: str, text: str, keyword: str, low: int, high: int) -
     raise ValueError(f"{flag} must be an integer in {low}..={high} or {keyword}, got {text!r}")
 
 
-def resolve_settings(
-    raw: Mapping[str, Any], behavior: Behavior | None, *, auto_slots: int
-) -> EngineSettings:
+def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_slots: int) -> EngineSettings:
     """Resolve raw serve flags into `EngineSettings`.
 
     `raw` maps the flags that were given (parameter names, values as `serve_options` parses
@@ -267,8 +263,7 @@ def resolve_settings(
     rule: dict[str, str] = {name: RULE_FLAG if name in raw else RULE_DEFAULT for name in v}
 
     try:
-        slots = _count_or_keyword("--max-batch-size", str(v["max_batch_size"]), "auto", 1,
-                                  AUTO_MAX_SLOTS)
+        slots = _count_or_keyword("--max-batch-size", str(v["max_batch_size"]), "auto", 1, AUTO_MAX_SLOTS)
     except ValueError as e:
         slots = 0
         errors.append(str(e))
@@ -276,27 +271,23 @@ def resolve_settings(
         slots, rule["max_batch_size"] = auto_slots, f"{RULE_AUTO} ({auto_slots} slots)"
     eff["max_batch_size"] = slots
 
-    for name, low in (("max_seq_len", 1), ("block_size", 1), ("max_prefill_tokens", 1),
-                      ("ssm_cache_slots", 0)):
+    for name, low in (("max_seq_len", 1), ("block_size", 1), ("max_prefill_tokens", 1), ("ssm_cache_slots", 0)):
         if v[name] < low:
             errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {v[name]}")
         eff[name] = v[name]
     spec = eff["speculative"] = bool(v["speculative"])
     eff["enable_prefix_caching"] = bool(v["enable_prefix_caching"])
 
-    nd, rule["num_drafts"] = _tiered(v["num_drafts"], b.default_num_drafts, "default_num_drafts",
-                                     DEFAULT_NUM_DRAFTS)
+    nd, rule["num_drafts"] = _tiered(v["num_drafts"], b.default_num_drafts, "default_num_drafts", DEFAULT_NUM_DRAFTS)
     if nd < 1:
         errors.append(f"--num-drafts must be >= 1, got {nd}")
     elif nd > 1 and v["num_drafts"] is not None and not spec:
         errors.append(f"--num-drafts {nd} needs --speculative (no draft proposer is on)")
     eff["num_drafts"] = nd
 
-    m, rule["mtp_max_seqs"] = _tiered(v["mtp_max_seqs"], b.mtp_max_seqs, "mtp_max_seqs",
-                                      DEFAULT_MTP_MAX_SEQS)
+    m, rule["mtp_max_seqs"] = _tiered(v["mtp_max_seqs"], b.mtp_max_seqs, "mtp_max_seqs", DEFAULT_MTP_MAX_SEQS)
     if not 1 <= m <= MAX_MTP_MAX_SEQS:
-        errors.append(f"--mtp-max-seqs {m} ({rule['mtp_max_seqs']}) must be in "
-                      f"1..={MAX_MTP_MAX_SEQS}")
+        errors.append(f"--mtp-max-seqs {m} ({rule['mtp_max_seqs']}) must be in 1..={MAX_MTP_MAX_SEQS}")
     eff["mtp_max_seqs"] = m
 
     eff["mtp_k_ladder"] = DEFAULT_K_LADDER
@@ -306,8 +297,9 @@ def resolve_settings(
         except ValueError as e:
             errors.append(f"--mtp-k-ladder: {e}")
 
-    kv, rule["kv_cache_dtype"] = _tiered(v["kv_cache_dtype"], b.default_kv_dtype,
-                                         "default_kv_dtype", DEFAULT_KV_CACHE_DTYPE)
+    kv, rule["kv_cache_dtype"] = _tiered(
+        v["kv_cache_dtype"], b.default_kv_dtype, "default_kv_dtype", DEFAULT_KV_CACHE_DTYPE
+    )
     if v["kv_cache_dtype"] is not None and b.default_kv_dtype not in ("", kv):
         rule["kv_cache_dtype"] = f"{RULE_FLAG} (MODEL.toml says {b.default_kv_dtype})"
     errors += _choice("--kv-cache-dtype", kv, rule["kv_cache_dtype"], KV_CACHE_DTYPES)
@@ -316,14 +308,14 @@ def resolve_settings(
     eff["ssm_h_dtype"] = DEFAULT_SSM_H_DTYPE if v["ssm_h_dtype"] is None else v["ssm_h_dtype"]
     errors += _choice("--ssm-h-dtype", eff["ssm_h_dtype"], rule["ssm_h_dtype"], SSM_H_DTYPES)
     eff["ssm_rollback_mode"] = v["ssm_rollback_mode"]
-    errors += _choice("--ssm-rollback-mode", v["ssm_rollback_mode"], rule["ssm_rollback_mode"],
-                      SSM_ROLLBACK_MODES)
+    errors += _choice("--ssm-rollback-mode", v["ssm_rollback_mode"], rule["ssm_rollback_mode"], SSM_ROLLBACK_MODES)
 
     # auto: off. The original's ring backs a decode watchdog's rollback, which this engine does not
     # have (every transition is a pure function; a failed step is simply not committed).
     try:
-        ring = _count_or_keyword("--ssm-decode-ring-slots", str(v["ssm_decode_ring_slots"]),
-                                 "auto", 0, DECODE_ROLLBACK_RING_SLOTS)
+        ring = _count_or_keyword(
+            "--ssm-decode-ring-slots", str(v["ssm_decode_ring_slots"]), "auto", 0, DECODE_ROLLBACK_RING_SLOTS
+        )
     except ValueError as e:
         ring = 0
         errors.append(str(e))
@@ -341,9 +333,6 @@ def resolve_settings(
     if errors:
         raise SettingsError(errors)
     shown = {**eff, "mtp_k_ladder": format_k_ladder(eff["mtp_k_ladder"])}
-    provenance = tuple(
-        Provenance(f.opt, _shown(raw.get(f.name)), _shown(shown[f.name]), rule[f.name])
-        for f in _FLAGS
-    )
+    provenance = tuple(Provenance(f.opt, _shown(raw.get(f.name)), _shown(shown[f.name]), rule[f.name]) for f in _FLAGS)
     fields = {("k_ladder" if k == "mtp_k_ladder" else k): val for k, val in eff.items()}
     return EngineSettings(**fields, provenance=provenance)

@@ -11,7 +11,7 @@ Invariant: greedy speculative generation emits exactly the tokens plain greedy d
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -28,8 +28,8 @@ class DraftSchedule:
     drafts before the first whose log-confidence is below it (None: never)."""
 
     num_drafts: int
-    ladder: Optional[KLadder] = None
-    confidence_stop: Optional[float] = None
+    ladder: KLadder | None = None
+    confidence_stop: float | None = None
 
     def drafts_at(self, n_active: int) -> int:
         if self.ladder is None:
@@ -96,7 +96,7 @@ def speculative_generate(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     schedule: DraftSchedule,
-    draft_source: Optional[DraftSource] = None,
+    draft_source: DraftSource | None = None,
 ) -> GenerationResult:
     """Greedy generation verified in batches.
 

@@ -73,7 +73,21 @@ def _last_rows(x, lens):
     return jnp.take_along_axis(x, idx.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
 
 
-def prefill_chunk(pool: EnginePool, params, tokens, start, length, slot, block_table, draft_table, *, cfg: ModelConfig, counts: PoolCounts, ops, drafter: bool):
+def prefill_chunk(
+    pool: EnginePool,
+    params,
+    tokens,
+    start,
+    length,
+    slot,
+    block_table,
+    draft_table,
+    *,
+    cfg: ModelConfig,
+    counts: PoolCounts,
+    ops,
+    drafter: bool,
+):
     """One prefill chunk of one sequence.
 
     tokens [1, Tb] (rows >= length are padding); start, length, slot: [1] int32; block_table
@@ -84,8 +98,17 @@ def prefill_chunk(pool: EnginePool, params, tokens, start, length, slot, block_t
     chex.assert_shape([start, length, slot], (1,))
     chex.assert_shape(block_table, (1, counts.max_blocks_per_seq))
     positions = _positions(start, length, tokens.shape[1])
-    io = PoolIO(cfg=cfg, slots=slot, lens=length, positions=positions, block_tables=block_table,
-                null_block=counts.kv_blocks - 1, gdn_mode="chunk", ops=ops, fresh=start == 0)
+    io = PoolIO(
+        cfg=cfg,
+        slots=slot,
+        lens=length,
+        positions=positions,
+        block_tables=block_table,
+        null_block=counts.kv_blocks - 1,
+        gdn_mode="chunk",
+        ops=ops,
+        fresh=start == 0,
+    )
     hidden, trunk_state = trunk(params, cfg, tokens, io, pool.trunk)
     pool = pool.replace(trunk=trunk_state)
     last_hidden = _last_rows(hidden, length)
@@ -95,7 +118,25 @@ def prefill_chunk(pool: EnginePool, params, tokens, start, length, slot, block_t
     return head(params, cfg, last_hidden), pool
 
 
-def step_rows(pool: EnginePool, params, tokens, lens, seq_lens, slots, block_tables, draft_tables, vrow_base, vslot, row_index, *, cfg: ModelConfig, counts: PoolCounts, ops, verify: bool, drafter: bool):
+def step_rows(
+    pool: EnginePool,
+    params,
+    tokens,
+    lens,
+    seq_lens,
+    slots,
+    block_tables,
+    draft_tables,
+    vrow_base,
+    vslot,
+    row_index,
+    *,
+    cfg: ModelConfig,
+    counts: PoolCounts,
+    ops,
+    verify: bool,
+    drafter: bool,
+):
     """Decode (T = 1) or batched verify (T = K_max) rows of B sequences.
 
     tokens [B, T]; lens [B] (K_i; 0 for padding sequences); seq_lens [B] (tokens already in the
@@ -120,11 +161,21 @@ def step_rows(pool: EnginePool, params, tokens, lens, seq_lens, slots, block_tab
         # read then fuses into the checkpoint's write (a separate [L, B, ...] read cost 594 MiB of
         # scratch in the 80B recipe's verify).
         (ckpt_h, ckpt_conv), (h, c) = ordered_read(
-            (pool.ckpt_h.at[:, vslot].set(h[:, slots]), pool.ckpt_conv.at[:, vslot].set(c[:, slots])), h, c)
+            (pool.ckpt_h.at[:, vslot].set(h[:, slots]), pool.ckpt_conv.at[:, vslot].set(c[:, slots])), h, c
+        )
         pool = pool.replace(trunk=pool.trunk.replace(gdn_h=h, gdn_conv=c), ckpt_h=ckpt_h, ckpt_conv=ckpt_conv)
-    io = PoolIO(cfg=cfg, slots=slots, lens=lens, positions=positions, block_tables=block_tables,
-                null_block=counts.kv_blocks - 1, gdn_mode="rows", ops=ops,
-                vrow_base=vrow_base if verify else None, vslot=vslot if verify else None)
+    io = PoolIO(
+        cfg=cfg,
+        slots=slots,
+        lens=lens,
+        positions=positions,
+        block_tables=block_tables,
+        null_block=counts.kv_blocks - 1,
+        gdn_mode="rows",
+        ops=ops,
+        vrow_base=vrow_base if verify else None,
+        vslot=vslot if verify else None,
+    )
     hidden, trunk_state = trunk(params, cfg, tokens, io, pool.trunk)
     pool = pool.replace(trunk=trunk_state)
     if drafter:
@@ -174,7 +225,20 @@ def stash_hidden_rows(pool: EnginePool, hidden, rows, slots):
     return pool.replace(stash=pool.stash.at[slots].set(hidden[rows]))
 
 
-def propose(pool: EnginePool, params, last, seq_lens, slots, draft_tables, valid, *, cfg: ModelConfig, counts: PoolCounts, ops, num_drafts: int):
+def propose(
+    pool: EnginePool,
+    params,
+    last,
+    seq_lens,
+    slots,
+    draft_tables,
+    valid,
+    *,
+    cfg: ModelConfig,
+    counts: PoolCounts,
+    ops,
+    num_drafts: int,
+):
     """The MTP drafter's batched propose of `num_drafts` chained drafts.
 
     last [B] (the last sampled token), seq_lens [B] (its position is seq_len; the stash holds the

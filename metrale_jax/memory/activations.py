@@ -34,6 +34,7 @@ Invariants:
   differently at few blocks) of the program compiled at the probe's own shapes.
 - A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,7 +92,7 @@ def source_files() -> list[Path]:
     return [f for root in roots for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source_digest() -> str:
     """sha256 (16 hex) of `source_files()`: paths and contents."""
     h = hashlib.sha256()
@@ -108,6 +109,7 @@ def backend_label() -> tuple[str, str]:
 
 # ---------------------------------------------------------------- the abstract step programs
 
+
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
     """One transition call as the Engine makes it: report `name`, the `ProgramCache` name
@@ -121,8 +123,9 @@ class StepProgram:
     shape: str
 
 
-def step_programs(config: ModelConfig, counts: PoolCounts, settings: EngineSettings, params: Any,
-                  pool: Any, ops: Any) -> tuple[StepProgram, ...]:
+def step_programs(
+    config: ModelConfig, counts: PoolCounts, settings: EngineSettings, params: Any, pool: Any, ops: Any
+) -> tuple[StepProgram, ...]:
     """The serve's step programs at its largest shapes, with the arguments `Engine.prefill`,
     `Engine._rows` and `Engine.propose_batched` pass (`params` and `pool` abstract)."""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
@@ -132,23 +135,41 @@ def step_programs(config: ModelConfig, counts: PoolCounts, settings: EngineSetti
     st = dict(cfg=config, counts=counts, ops=ops)
     tb = counts.prefill_chunk  # Engine._prefill_bucket of a full chunk
     one = S((1,), i32)
-    out = [StepProgram("prefill", "prefill_chunk", tr.prefill_chunk, dict(st, drafter=drafter),
-                       (pool, params, S((1, tb), i32), one, one, one, S((1, mb), i32),
-                        S((1, mbd), i32)), f"1x{tb} tokens")]
+    out = [
+        StepProgram(
+            "prefill",
+            "prefill_chunk",
+            tr.prefill_chunk,
+            dict(st, drafter=drafter),
+            (pool, params, S((1, tb), i32), one, one, one, S((1, mb), i32), S((1, mbd), i32)),
+            f"1x{tb} tokens",
+        )
+    ]
     w = bucket_width(counts.real_slots)
     v = S((w,), i32)
     for verify in (False, True) if counts.speculative else (False,):
         t = counts.k if verify else 1
-        out.append(StepProgram(
-            "verify" if verify else "decode", "step_rows", tr.step_rows,
-            dict(st, verify=verify, drafter=drafter),
-            (pool, params, S((w, t), i32), v, v, v, S((w, mb), i32), S((w, mbd), i32), v, v,
-             S((w * t,), i32)), f"{w}x{t} rows"))
+        out.append(
+            StepProgram(
+                "verify" if verify else "decode",
+                "step_rows",
+                tr.step_rows,
+                dict(st, verify=verify, drafter=drafter),
+                (pool, params, S((w, t), i32), v, v, v, S((w, mb), i32), S((w, mbd), i32), v, v, S((w * t,), i32)),
+                f"{w}x{t} rows",
+            )
+        )
     if drafter:
-        out.append(StepProgram(
-            "propose", "propose", tr.propose, dict(st, num_drafts=settings.num_drafts),
-            (pool, params, v, v, v, S((w, mbd), i32), S((w,), jnp.bool_)),
-            f"{w} seqs x {settings.num_drafts} drafts"))
+        out.append(
+            StepProgram(
+                "propose",
+                "propose",
+                tr.propose,
+                dict(st, num_drafts=settings.num_drafts),
+                (pool, params, v, v, v, S((w, mbd), i32), S((w,), jnp.bool_)),
+                f"{w} seqs x {settings.num_drafts} drafts",
+            )
+        )
     return tuple(out)
 
 
@@ -180,6 +201,7 @@ def _static_text(static: dict) -> dict:
 
 
 # ---------------------------------------------------------------- results
+
 
 @dataclasses.dataclass(frozen=True)
 class ProgramMemory:
@@ -225,6 +247,7 @@ class Activations:
 
 # ---------------------------------------------------------------- the model
 
+
 class ActivationModel:
     """Activation bytes of a model's step programs at any `(settings, counts)`, compiled at most
     once per distinct shape set (memory, then disk cache), interpolated for probes.
@@ -233,8 +256,15 @@ class ActivationModel:
     Counters: `compiled` (programs compiled by this process), `compile_seconds`, `cache_hits`.
     """
 
-    def __init__(self, config: ModelConfig, dtype: Any, *, forward: str = "xla",
-                 cache_dir: Path | None = None, programs: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: Any,
+        *,
+        forward: str = "xla",
+        cache_dir: Path | None = None,
+        programs: tuple[str, ...] | None = None,
+    ):
         self.config = config
         self.dtype = dtype
         self.forward = forward
@@ -264,8 +294,7 @@ class ActivationModel:
         """The Engine's parameter tree (scan layout), abstract."""
         if self._params is None:
             cfg, dtype = self.config, self.dtype
-            self._params = jax.eval_shape(
-                lambda: stack_layer_groups(init_params(cfg, 0, dtype), cfg))
+            self._params = jax.eval_shape(lambda: stack_layer_groups(init_params(cfg, 0, dtype), cfg))
         return self._params
 
     def programs_at(self, settings: EngineSettings, counts: PoolCounts) -> tuple[StepProgram, ...]:
@@ -279,9 +308,14 @@ class ActivationModel:
 
     def _key(self, p: StepProgram) -> str:
         doc = {
-            "version": CACHE_VERSION, "program": p.name, "transition": p.transition,
-            "args": _signature(p.args), "static": _static_text(p.static), "forward": self.forward,
-            "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "version": CACHE_VERSION,
+            "program": p.name,
+            "transition": p.transition,
+            "args": _signature(p.args),
+            "static": _static_text(p.static),
+            "forward": self.forward,
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
             "backend": [self.backend, self.device_kind],
             "source": source_digest(),
         }
@@ -312,13 +346,18 @@ class ActivationModel:
             seconds = time.perf_counter() - t0
             self.compiled += 1
             self.compile_seconds += seconds
-            entry = {"program": p.name, "shape": p.shape, "backend": self.backend,
-                     "device_kind": self.device_kind, "jax": jax.__version__,
-                     "temp_size_in_bytes": int(ma.temp_size_in_bytes),
-                     "argument_size_in_bytes": int(ma.argument_size_in_bytes),
-                     "output_size_in_bytes": int(ma.output_size_in_bytes),
-                     "alias_size_in_bytes": int(ma.alias_size_in_bytes),
-                     "compile_seconds": round(seconds, 3)}
+            entry = {
+                "program": p.name,
+                "shape": p.shape,
+                "backend": self.backend,
+                "device_kind": self.device_kind,
+                "jax": jax.__version__,
+                "temp_size_in_bytes": int(ma.temp_size_in_bytes),
+                "argument_size_in_bytes": int(ma.argument_size_in_bytes),
+                "output_size_in_bytes": int(ma.output_size_in_bytes),
+                "alias_size_in_bytes": int(ma.alias_size_in_bytes),
+                "compile_seconds": round(seconds, 3),
+            }
             self._write(key, entry)
             how = HOW_COMPILED
         else:
@@ -330,14 +369,12 @@ class ActivationModel:
         """Every program's bytes at exactly `counts` (memory, disk cache, else compiled)."""
         point = (_family(settings, counts), counts.kv_blocks, counts.draft_kv_blocks)
         if point not in self._points:
-            self._points[point] = {p.name: self._analyse(p)
-                                   for p in self.programs_at(settings, counts)}
+            self._points[point] = {p.name: self._analyse(p) for p in self.programs_at(settings, counts)}
         return self._points[point]
 
     # -- any evaluation
 
-    def at(self, settings: EngineSettings, counts: PoolCounts, *,
-           exact: bool = True) -> Activations:
+    def at(self, settings: EngineSettings, counts: PoolCounts, *, exact: bool = True) -> Activations:
         """The activations at `counts`: compiled (or cached) at these shapes when `exact`, when
         already known, or when nothing of this family is; else the family anchor's affine model
         in the KV block counts."""
@@ -347,9 +384,10 @@ class ActivationModel:
             rows = self.exact(settings, counts)
             self._anchor.setdefault(fam, counts)
             return self._result(tuple(rows.values()))
-        return self._result(self._interpolate(settings, counts, fam), note=(
-            f"affine in KV blocks from the compiled anchor at {self._anchor[fam].kv_blocks} "
-            "blocks"))
+        return self._result(
+            self._interpolate(settings, counts, fam),
+            note=(f"affine in KV blocks from the compiled anchor at {self._anchor[fam].kv_blocks} blocks"),
+        )
 
     def _interpolate(self, settings, counts, fam) -> tuple[ProgramMemory, ...]:
         anchor = self._anchor[fam]
@@ -372,19 +410,22 @@ class ActivationModel:
         out = []
         for name, m in base.items():
             s = slopes[name]
-            out.append(dataclasses.replace(
-                m, temp=m.temp + math.ceil(s[0] * dk + s[2] * dd),
-                outputs=m.outputs + math.ceil(s[1] * dk + s[3] * dd), how=HOW_INTERPOLATED))
+            out.append(
+                dataclasses.replace(
+                    m,
+                    temp=m.temp + math.ceil(s[0] * dk + s[2] * dd),
+                    outputs=m.outputs + math.ceil(s[1] * dk + s[3] * dd),
+                    how=HOW_INTERPOLATED,
+                )
+            )
         return tuple(out)
 
     def _result(self, rows: tuple[ProgramMemory, ...], note: str = "") -> Activations:
-        return Activations(self.backend, self.device_kind, self.forward, jax.__version__, rows,
-                           note)
+        return Activations(self.backend, self.device_kind, self.forward, jax.__version__, rows, note)
 
 
 def _family(settings: EngineSettings, counts: PoolCounts) -> tuple:
     """Everything a step program's shapes depend on except the two paged-KV block counts (and
     `kv_tokens`, which no shape reads)."""
     neutral = dataclasses.replace(counts, kv_blocks=0, draft_kv_blocks=0, kv_tokens=0)
-    return (neutral, settings.max_seq_len, settings.kv_cache_dtype, settings.ssm_h_dtype,
-            settings.num_drafts)
+    return (neutral, settings.max_seq_len, settings.kv_cache_dtype, settings.ssm_h_dtype, settings.num_drafts)

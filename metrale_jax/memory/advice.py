@@ -8,6 +8,7 @@ Invariants:
   "binds" note compares the last fitting point with the first failing one.
 - A warning never changes a number; it only explains one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,7 @@ def mib(n: int) -> str:
 
 def _binding_note(before: Evaluation, after: Evaluation, step: str) -> str:
     group, delta, total = growth(before, after)
-    return (f"binds: {group} ({step} adds {mib(total)}, {mib(delta)} of it {group}; "
-            f"headroom then {mib(after.headroom)})")
+    return f"binds: {group} ({step} adds {mib(total)}, {mib(delta)} of it {group}; headroom then {mib(after.headroom)})"
 
 
 def concurrency_answer(planner: Planner, w: Workload) -> Answer:
@@ -43,11 +43,13 @@ def concurrency_answer(planner: Planner, w: Workload) -> Answer:
     n = planner.max_concurrency(w.isl, w.osl, w.concurrency)
     if n is None:
         one = planner.probe(Workload(1, w.isl, w.osl))
-        return Answer(None, f"one sequence needs {mib(one.device_total)} of a "
-                            f"{mib(one.budget)} budget")
+        return Answer(None, f"one sequence needs {mib(one.device_total)} of a {mib(one.budget)} budget")
     if n == widest:
-        why = ("the widest batch" if planner.slots_follow_concurrency
-               else "the serve's slots; each slot's pools are allocated whatever the load")
+        why = (
+            "the widest batch"
+            if planner.slots_follow_concurrency
+            else "the serve's slots; each slot's pools are allocated whatever the load"
+        )
         return Answer(n, f"the search stops at {widest}, {why}")
     before = planner.probe(Workload(n, w.isl, w.osl))
     after = planner.probe(Workload(n + 1, w.isl, w.osl))
@@ -76,34 +78,50 @@ def warnings_for(planner: Planner, ev: Evaluation) -> tuple[str, ...]:
     s, c, w = ev.settings, ev.counts, ev.workload
     out = []
     if s.enable_prefix_caching and c.snapshot_slots == 0:
-        out.append("prefix caching is on but --ssm-cache-slots is 0: no recurrent-state "
-                   "snapshot is kept, so no prefix of this hybrid model can be reused")
+        out.append(
+            "prefix caching is on but --ssm-cache-slots is 0: no recurrent-state "
+            "snapshot is kept, so no prefix of this hybrid model can be reused"
+        )
     if not s.enable_prefix_caching and s.ssm_cache_slots > 0 and _explicit(s, "--ssm-cache-slots"):
-        out.append(f"--ssm-cache-slots {s.ssm_cache_slots} does nothing without "
-                   "--enable-prefix-caching (no snapshot slots are allocated)")
+        out.append(
+            f"--ssm-cache-slots {s.ssm_cache_slots} does nothing without "
+            "--enable-prefix-caching (no snapshot slots are allocated)"
+        )
     if s.block_size > w.isl:
-        out.append(f"--block-size {s.block_size} exceeds the ISL {w.isl}: a prompt never fills "
-                   "a KV block, so prefix caching can share none of it")
+        out.append(
+            f"--block-size {s.block_size} exceeds the ISL {w.isl}: a prompt never fills "
+            "a KV block, so prefix caching can share none of it"
+        )
     if not s.speculative and _explicit(s, "--num-drafts"):
         out.append("--num-drafts does nothing without --speculative")
     if s.speculative:
         if w.concurrency > c.mtp_slots:
-            out.append(f"concurrency {w.concurrency} is above the {c.mtp_slots} MTP verify "
-                       f"slots: sequences on slots {c.mtp_slots} and up decode without drafts")
+            out.append(
+                f"concurrency {w.concurrency} is above the {c.mtp_slots} MTP verify "
+                f"slots: sequences on slots {c.mtp_slots} and up decode without drafts"
+            )
         drafts = ladder_drafts(min(w.concurrency, s.mtp_max_seqs), s.num_drafts, s.k_ladder)
         if drafts < s.num_drafts:
-            out.append(f"at {w.concurrency} active sequences the K ladder allows {drafts} "
-                       f"draft(s) per verify, not the {s.num_drafts} asked for")
+            out.append(
+                f"at {w.concurrency} active sequences the K ladder allows {drafts} "
+                f"draft(s) per verify, not the {s.num_drafts} asked for"
+            )
     if c.real_slots > w.concurrency and not planner.slots_follow_concurrency:
-        out.append(f"the serve holds {c.real_slots} slots for a concurrency of "
-                   f"{w.concurrency}: {c.real_slots - w.concurrency} slots' pools sit idle")
+        out.append(
+            f"the serve holds {c.real_slots} slots for a concurrency of "
+            f"{w.concurrency}: {c.real_slots - w.concurrency} slots' pools sit idle"
+        )
     util = s.gpu_memory_utilization
     act = ev.activations
     if act is not None and act.backend != "gpu":
-        out.append(f"activations are XLA's analysis of the step programs compiled for "
-                   f"{act.label}, not for {planner.device.id}: scratch differs between backends")
+        out.append(
+            f"activations are XLA's analysis of the step programs compiled for "
+            f"{act.label}, not for {planner.device.id}: scratch differs between backends"
+        )
     if util > planner.device.util_ceiling:
-        out.append(f"--gpu-memory-utilization {util} is above {planner.device.id}'s ceiling "
-                   f"{planner.device.util_ceiling}"
-                   + (" (unified memory: the host shares it)" if planner.device.unified else ""))
+        out.append(
+            f"--gpu-memory-utilization {util} is above {planner.device.id}'s ceiling "
+            f"{planner.device.util_ceiling}"
+            + (" (unified memory: the host shares it)" if planner.device.unified else "")
+        )
     return tuple(out)

@@ -8,6 +8,7 @@ Invariants:
   unified memory as `cuDeviceTotalMem` reports it), not the marketing figure.
 - Lookups ignore case and punctuation: `h200`, `H-200` and `H200` are one device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,14 @@ DEVICES: tuple[Device, ...] = (
     Device("H100-NVL", "NVIDIA H100 NVL 94GB", 95830 * MIB),
     Device("H200", "NVIDIA H200 141GB HBM3e", 143771 * MIB, ("H200-141GB",)),
     Device("B200", "NVIDIA B200 180GB HBM3e", 183359 * MIB),
-    Device("GB10", "NVIDIA GB10 (DGX Spark) 128GB unified", 130_663_886_848, ("DGX-Spark",),
-           unified=True, util_ceiling=0.85),
+    Device(
+        "GB10",
+        "NVIDIA GB10 (DGX Spark) 128GB unified",
+        130_663_886_848,
+        ("DGX-Spark",),
+        unified=True,
+        util_ceiling=0.85,
+    ),
     Device("A100-80GB", "NVIDIA A100 80GB", 81920 * MIB, ("A100",)),
     Device("A100-40GB", "NVIDIA A100 40GB", 40960 * MIB),
     Device("L40S", "NVIDIA L40S 48GB", 46068 * MIB),

@@ -1,4 +1,5 @@
 """The memory planner's user errors: one clear line each, exit code 2 at the command line."""
+
 from __future__ import annotations
 
 

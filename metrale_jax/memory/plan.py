@@ -15,6 +15,7 @@ Invariants:
 - `device_total = weights + pools + activations + runtime reserve` (activations 0 when skipped);
   fits iff `budget − device_total ≥ 0`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import pool
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS, PoolCounts, pool_counts
 from metrale_jax.engine.settings import EngineSettings
-from metrale_jax.memory.activations import Activations, ActivationModel
+from metrale_jax.memory.activations import ActivationModel, Activations
 from metrale_jax.memory.devices import Device, runtime_reserve, util_budget
 from metrale_jax.memory.errors import PlanError
 
@@ -137,17 +138,21 @@ def largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None
 #: The report group of each engine buffer (a pool missing here is its own group): the groups
 #: are what "binds" and the totals speak of.
 POOL_GROUPS = {
-    "trunk.gdn_h": "recurrent state", "trunk.gdn_conv": "recurrent state",
-    "trunk.kv_k": "kv cache", "trunk.kv_v": "kv cache",
-    "trunk.verify_h": "verify rows", "trunk.verify_conv": "verify rows",
-    "ckpt_h": "verify checkpoints", "ckpt_conv": "verify checkpoints",
-    "draft_k": "mtp drafter kv", "draft_v": "mtp drafter kv",
+    "trunk.gdn_h": "recurrent state",
+    "trunk.gdn_conv": "recurrent state",
+    "trunk.kv_k": "kv cache",
+    "trunk.kv_v": "kv cache",
+    "trunk.verify_h": "verify rows",
+    "trunk.verify_conv": "verify rows",
+    "ckpt_h": "verify checkpoints",
+    "ckpt_conv": "verify checkpoints",
+    "draft_k": "mtp drafter kv",
+    "draft_v": "mtp drafter kv",
     "stash": "hidden stash",
 }
 
 
-def pool_terms(config: ModelConfig, counts: PoolCounts, settings: EngineSettings,
-               dtype: Any) -> tuple[Term, ...]:
+def pool_terms(config: ModelConfig, counts: PoolCounts, settings: EngineSettings, dtype: Any) -> tuple[Term, ...]:
     """The engine's buffers for `counts`, exactly as `allocate_pool` builds them (traced
     abstractly), one term each, named by the engine's `POOL_LABELS`."""
     shapes = jax.eval_shape(lambda: pool.allocate_pool(config, counts, settings, dtype=dtype))
@@ -201,8 +206,7 @@ class Planner:
         if slots > AUTO_MAX_SLOTS:
             return f"{slots} slots exceed the widest batch, {AUTO_MAX_SLOTS}"
         if w.tokens > self.settings.max_seq_len:
-            return (f"ISL + OSL = {w.tokens} tokens exceeds --max-seq-len "
-                    f"{self.settings.max_seq_len}")
+            return f"ISL + OSL = {w.tokens} tokens exceeds --max-seq-len {self.settings.max_seq_len}"
         return None
 
     def evaluate(self, w: Workload, *, exact: bool = True) -> Evaluation:
@@ -224,8 +228,7 @@ class Planner:
             pools=self.pools(self.config, counts, settings, self.dtype),
             budget=budget,
             runtime=runtime_reserve(budget),
-            activations=(self.activations.at(settings, counts, exact=exact)
-                         if self.activations is not None else None),
+            activations=(self.activations.at(settings, counts, exact=exact) if self.activations is not None else None),
         )
 
     def probe(self, w: Workload) -> Evaluation:
@@ -243,8 +246,7 @@ class Planner:
 
     def max_concurrency(self, isl: int, osl: int, concurrency: int) -> int | None:
         """The most sequences of `isl + osl` tokens that fit (None: not even one)."""
-        return largest_fitting(1, self.widest_concurrency(concurrency),
-                               lambda c: self.fits(Workload(c, isl, osl)))
+        return largest_fitting(1, self.widest_concurrency(concurrency), lambda c: self.fits(Workload(c, isl, osl)))
 
     def max_isl(self, concurrency: int, osl: int) -> int | None:
         """The longest prompt that fits at `concurrency` sequences and `osl` output tokens."""

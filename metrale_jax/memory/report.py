@@ -7,6 +7,7 @@ Invariants:
   decimal (2^20) and GiB with two (2^30).
 - `JSON_SCHEMA` changes whenever a JSON key is renamed, removed or changes meaning.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +57,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequenc
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).rjust(wd) if i in right else str(c).ljust(wd)
-                         for i, (c, wd) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            str(c).rjust(wd) if i in right else str(c).ljust(wd) for i, (c, wd) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return [line(headers), line(["-" * wd for wd in widths]), *(line(r) for r in rows)]
 
@@ -75,10 +77,12 @@ def _total_rows(r: Report) -> list[tuple[str, str]]:
     if ev.activations is None:
         rows.append(("activations (not computed: --no-activations)", _mib(0)))
     else:
-        rows.append((f"activations (peak program: {ev.activations.peak.name})",
-                     _mib(ev.activation_bytes)))
-    rows += [("runtime reserve", _mib(ev.runtime)), ("device total", _mib(ev.device_total)),
-             ("budget", _mib(ev.budget))]
+        rows.append((f"activations (peak program: {ev.activations.peak.name})", _mib(ev.activation_bytes)))
+    rows += [
+        ("runtime reserve", _mib(ev.runtime)),
+        ("device total", _mib(ev.device_total)),
+        ("budget", _mib(ev.budget)),
+    ]
     return rows
 
 
@@ -87,17 +91,28 @@ def _activation_lines(r: Report) -> list[str]:
     if act is None:
         return ["## Activations: not computed (--no-activations); not charged"]
     run = r.activation_run or {}
-    lines = [f"## Activations (XLA memory analysis of the step programs; backend {act.label}, "
-             f"forward {act.forward}, jax {act.jax_version}) (MiB)",
-             *_table(("program", "transition", "shape", "scratch", "fresh outputs", "MiB",
-                      "source"),
-                     [(p.name, p.transition, p.shape, _mib(p.temp), _mib(p.outputs),
-                       _mib(p.bytes), p.how) for p in act.programs], right=(3, 4, 5))]
-    lines.append(f"Charged: the peak program, {act.peak.name}, {_mib(act.bytes)} MiB"
-                 + (f" ({act.note})" if act.note else "") + ".")
+    lines = [
+        f"## Activations (XLA memory analysis of the step programs; backend {act.label}, "
+        f"forward {act.forward}, jax {act.jax_version}) (MiB)",
+        *_table(
+            ("program", "transition", "shape", "scratch", "fresh outputs", "MiB", "source"),
+            [
+                (p.name, p.transition, p.shape, _mib(p.temp), _mib(p.outputs), _mib(p.bytes), p.how)
+                for p in act.programs
+            ],
+            right=(3, 4, 5),
+        ),
+    ]
+    lines.append(
+        f"Charged: the peak program, {act.peak.name}, {_mib(act.bytes)} MiB"
+        + (f" ({act.note})" if act.note else "")
+        + "."
+    )
     if run:
-        lines.append(f"Compiled {run['compiled']} program(s) in {run['compile_seconds']:.1f} s, "
-                     f"{run['cache_hits']} from the cache ({run['cache_dir']}).")
+        lines.append(
+            f"Compiled {run['compiled']} program(s) in {run['compile_seconds']:.1f} s, "
+            f"{run['cache_hits']} from the cache ({run['cache_dir']})."
+        )
     return lines
 
 
@@ -106,16 +121,18 @@ def render_text(r: Report) -> str:
     ev = r.evaluation
     s, c, w = ev.settings, ev.counts, ev.workload
     util = s.gpu_memory_utilization
-    spec = (f"speculation on, K = {c.k}; MTP verify slots {c.verify_slots} (dummy included)"
-            if c.speculative else "speculation off")
+    spec = (
+        f"speculation on, K = {c.k}; MTP verify slots {c.verify_slots} (dummy included)"
+        if c.speculative
+        else "speculation off"
+    )
     out = [
         "# metrale-jax memory plan",
         f"checkpoint: {r.checkpoint} (config {r.config_from}; weights {r.weights_from})",
         f"recipe: {r.recipe or 'none (engine defaults)'}",
         f"serve flags: {' '.join(r.serve_flags) or 'none'}",
         f"device: {r.device.id} ({r.device.name}): {r.device.memory_bytes / GIB:.2f} GiB x util "
-        f"{util} = budget {ev.budget / GIB:.2f} GiB"
-        + (" (unified memory)" if r.device.unified else ""),
+        f"{util} = budget {ev.budget / GIB:.2f} GiB" + (" (unified memory)" if r.device.unified else ""),
         f"workload: ISL {w.isl} + OSL {w.osl} tokens, concurrency {w.concurrency}",
         f"slots: {c.real_slots} (+1 dummy); {spec}; KV {c.kv_blocks} blocks of {c.block_size}"
         " tokens"
@@ -123,18 +140,24 @@ def render_text(r: Report) -> str:
         f"MODEL.toml: {r.behavior_from}",
         "",
         "## Settings (requested -> effective)",
-        *_table(("setting", "requested", "effective", "rule"),
-                [(p.setting, p.requested or "-", p.effective, p.rule) for p in r.settings_table]),
+        *_table(
+            ("setting", "requested", "effective", "rule"),
+            [(p.setting, p.requested or "-", p.effective, p.rule) for p in r.settings_table],
+        ),
         "",
         "## Weights (MiB)",
-        *_table(("group", "tensors", "dtype", "MiB"),
-                [(t.name, str(t.count), t.dtype, _mib(t.bytes)) for t in ev.weights],
-                right=(1, 3)),
+        *_table(
+            ("group", "tensors", "dtype", "MiB"),
+            [(t.name, str(t.count), t.dtype, _mib(t.bytes)) for t in ev.weights],
+            right=(1, 3),
+        ),
         "",
         "## Pools at this workload (MiB)",
-        *_table(("pool", "group", "shape", "dtype", "MiB"),
-                [(t.name, t.group, "x".join(map(str, t.shape)) or "-", t.dtype, _mib(t.bytes))
-                 for t in ev.pools], right=(4,)),
+        *_table(
+            ("pool", "group", "shape", "dtype", "MiB"),
+            [(t.name, t.group, "x".join(map(str, t.shape)) or "-", t.dtype, _mib(t.bytes)) for t in ev.pools],
+            right=(4,),
+        ),
         "",
         *_activation_lines(r),
         "",
@@ -150,8 +173,7 @@ def render_text(r: Report) -> str:
     out += [
         f"Max concurrency at ISL={w.isl} OSL={w.osl}: {_answer_text(r.max_concurrency.value)}"
         f" ({r.max_concurrency.note}).",
-        f"Max ISL at C={w.concurrency} OSL={w.osl}: {_answer_text(r.max_isl.value)}"
-        f" ({r.max_isl.note}).",
+        f"Max ISL at C={w.concurrency} OSL={w.osl}: {_answer_text(r.max_isl.value)} ({r.max_isl.note}).",
     ]
     if r.warnings:
         out += ["", "## Warnings", *(f"- {x}" for x in r.warnings)]
@@ -163,12 +185,25 @@ def _activations_json(r: Report) -> dict[str, Any] | None:
     if act is None:
         return None
     return {
-        "backend": act.backend, "device_kind": act.device_kind, "forward": act.forward,
+        "backend": act.backend,
+        "device_kind": act.device_kind,
+        "forward": act.forward,
         "jax": act.jax_version,
-        "programs": [{"program": p.name, "transition": p.transition, "shape": p.shape,
-                      "temp_bytes": p.temp, "output_bytes": p.outputs, "bytes": p.bytes,
-                      "source": p.how} for p in act.programs],
-        "peak_program": act.peak.name, "bytes": act.bytes, "note": act.note,
+        "programs": [
+            {
+                "program": p.name,
+                "transition": p.transition,
+                "shape": p.shape,
+                "temp_bytes": p.temp,
+                "output_bytes": p.outputs,
+                "bytes": p.bytes,
+                "source": p.how,
+            }
+            for p in act.programs
+        ],
+        "peak_program": act.peak.name,
+        "bytes": act.bytes,
+        "note": act.note,
         "run": r.activation_run,
     }
 
@@ -180,34 +215,51 @@ def render_json(r: Report) -> str:
     groups = ev.groups()
     doc: dict[str, Any] = {
         "schema": JSON_SCHEMA,
-        "checkpoint": {"id": r.checkpoint, "config": r.config_from, "weights": r.weights_from,
-                       "model_toml": r.behavior_from, "outside_bytes": r.outside_bytes},
+        "checkpoint": {
+            "id": r.checkpoint,
+            "config": r.config_from,
+            "weights": r.weights_from,
+            "model_toml": r.behavior_from,
+            "outside_bytes": r.outside_bytes,
+        },
         "recipe": r.recipe,
         "serve_flags": list(r.serve_flags),
-        "device": {"id": r.device.id, "name": r.device.name,
-                   "memory_bytes": r.device.memory_bytes, "unified": r.device.unified,
-                   "gpu_memory_utilization": ev.settings.gpu_memory_utilization,
-                   "budget_bytes": ev.budget},
+        "device": {
+            "id": r.device.id,
+            "name": r.device.name,
+            "memory_bytes": r.device.memory_bytes,
+            "unified": r.device.unified,
+            "gpu_memory_utilization": ev.settings.gpu_memory_utilization,
+            "budget_bytes": ev.budget,
+        },
         "workload": {"isl": w.isl, "osl": w.osl, "concurrency": w.concurrency},
         "settings": [dataclasses.asdict(p) for p in r.settings_table],
         "counts": dataclasses.asdict(ev.counts),
-        "weights": [{"group": t.name, "tensors": t.count, "dtype": t.dtype, "bytes": t.bytes}
-                    for t in ev.weights],
-        "pools": [{"pool": t.name, "group": t.group, "shape": list(t.shape), "dtype": t.dtype,
-                   "bytes": t.bytes} for t in ev.pools],
+        "weights": [{"group": t.name, "tensors": t.count, "dtype": t.dtype, "bytes": t.bytes} for t in ev.weights],
+        "pools": [
+            {"pool": t.name, "group": t.group, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.bytes}
+            for t in ev.pools
+        ],
         "activations": _activations_json(r),
-        "totals": {"weights": ev.weight_bytes, "pools": groups,
-                   "activations": ev.activation_bytes, "runtime_reserve": ev.runtime,
-                   "device_total": ev.device_total, "budget": ev.budget,
-                   "headroom": ev.headroom, "fits": ev.fits},
-        "largest_pool": ({"group": next(iter(groups)), "bytes": next(iter(groups.values()))}
-                         if groups else None),
+        "totals": {
+            "weights": ev.weight_bytes,
+            "pools": groups,
+            "activations": ev.activation_bytes,
+            "runtime_reserve": ev.runtime,
+            "device_total": ev.device_total,
+            "budget": ev.budget,
+            "headroom": ev.headroom,
+            "fits": ev.fits,
+        },
+        "largest_pool": ({"group": next(iter(groups)), "bytes": next(iter(groups.values()))} if groups else None),
         "inverse": {
-            "max_concurrency": {"isl": w.isl, "osl": w.osl,
-                                "concurrency": r.max_concurrency.value,
-                                "note": r.max_concurrency.note},
-            "max_isl": {"concurrency": w.concurrency, "osl": w.osl, "isl": r.max_isl.value,
-                        "note": r.max_isl.note},
+            "max_concurrency": {
+                "isl": w.isl,
+                "osl": w.osl,
+                "concurrency": r.max_concurrency.value,
+                "note": r.max_concurrency.note,
+            },
+            "max_isl": {"concurrency": w.concurrency, "osl": w.osl, "isl": r.max_isl.value, "note": r.max_isl.note},
         },
         "warnings": list(r.warnings),
     }

@@ -12,6 +12,7 @@ Invariants:
 - With safetensors present, the config is completed from the headers exactly as the loader
   completes it (`metrale_jax.checkpoint.plan_load`), so planner and loader see one model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,11 +85,14 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
     elif (models_dir / arg / "config.json").is_file():
         directory, model_id = models_dir / arg, arg
     else:
-        known = ", ".join(sorted(f"{PRESET_ORG}/{p}" for p in [*PRESETS, *PRESET_DIRS]) + sorted(
-            p.parent.relative_to(models_dir).as_posix() for p in models_dir.glob("*/*/config.json")
-        ))
-        raise PlanError(f"unknown checkpoint {arg!r}: not a preset, a directory with a "
-                         f"config.json, or a model id under {models_dir} (known: {known})")
+        known = ", ".join(
+            sorted(f"{PRESET_ORG}/{p}" for p in [*PRESETS, *PRESET_DIRS])
+            + sorted(p.parent.relative_to(models_dir).as_posix() for p in models_dir.glob("*/*/config.json"))
+        )
+        raise PlanError(
+            f"unknown checkpoint {arg!r}: not a preset, a directory with a "
+            f"config.json, or a model id under {models_dir} (known: {known})"
+        )
     config = load_model_config(directory)
     tensors: dict[str, TensorRef] = {}
     binds: tuple[Binding, ...] = ()

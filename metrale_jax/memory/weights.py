@@ -10,6 +10,7 @@ Invariants:
   at the serve dtype, so `tensors` counts checkpoint tensors either way.
 - No tensor data is read and no parameter is materialised.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -43,8 +44,7 @@ def _fold(items: Iterable[tuple[str, int, str]]) -> tuple[Term, ...]:
         row[0] += size
         row[1].add(dtype)
         row[2] += 1
-    return tuple(Term(g, WEIGHTS, size, "+".join(sorted(dts)), (), n)
-                 for g, (size, dts, n) in rows.items())
+    return tuple(Term(g, WEIGHTS, size, "+".join(sorted(dts)), (), n) for g, (size, dts, n) in rows.items())
 
 
 def weight_terms(source: ModelSource, dtype: Any) -> tuple[Term, ...]:
@@ -55,14 +55,15 @@ def weight_terms(source: ModelSource, dtype: Any) -> tuple[Term, ...]:
     """
     if source.bindings:
         return _fold(
-            (weight_group(b.path), source.tensors[n].end - source.tensors[n].start,
-             source.tensors[n].dtype)
-            for b in source.bindings for n in b.names
+            (weight_group(b.path), source.tensors[n].end - source.tensors[n].start, source.tensors[n].dtype)
+            for b in source.bindings
+            for n in b.names
         )
     itemsize, name = np.dtype(dtype).itemsize, str(np.dtype(dtype))
     return _fold(
         (weight_group(b.path), int(np.prod(shape, dtype=np.int64)) * itemsize, name)
-        for b in bindings(source.config) for shape in b.shapes
+        for b in bindings(source.config)
+        for shape in b.shapes
     )
 
 

@@ -39,8 +39,7 @@ def stack_layer_groups(params: dict, cfg: ModelConfig) -> dict:
         return params
     layers = params["layers"]
     stacked = [
-        jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[layers[g * p + j] for g in range(groups)])
-        for j in range(p)
+        jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *[layers[g * p + j] for g in range(groups)]) for j in range(p)
     ]
     out = {k: v for k, v in params.items() if k != "layers"}
     out["layer_groups"] = stacked

@@ -62,7 +62,9 @@ def moe(p, x, cfg: ModelConfig):
     if rows * cfg.num_experts * (2 * inter + x.shape[-1]) <= DENSE_EXPERTS_MAX_ELEMENTS:
         # NOTE: as one [E*2I, Hd] projection: the einsum over [E, 2I, Hd] made XLA CPU copy the
         # weight into another layout at every step.
-        gu = linear(x, p["gate_up"].reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], cfg.num_experts, 2 * inter)  # [..., E, 2I]
+        gu = linear(x, p["gate_up"].reshape(-1, x.shape[-1])).reshape(
+            *x.shape[:-1], cfg.num_experts, 2 * inter
+        )  # [..., E, 2I]
         act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:] * combine[..., None]  # [..., E, I]
         routed = jnp.einsum("...ei,ehi->...h", act, p["down"])  # [..., Hd]
     else:

@@ -27,16 +27,16 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from metrale_jax.config import ModelConfig
-from metrale_jax.model import gdn as gdn_math
 from kernels_pallas.gdn import reference as gdn_ref
 from kernels_pallas.paged_attention import reference as attn_ref
+from metrale_jax.config import ModelConfig
+from metrale_jax.model import gdn as gdn_math
 
 
 def _fenced(op, *arrays):
@@ -65,8 +65,8 @@ class TrunkState:
     gdn_conv: jax.Array
     kv_k: jax.Array
     kv_v: jax.Array
-    verify_h: Optional[jax.Array] = None
-    verify_conv: Optional[jax.Array] = None
+    verify_h: jax.Array | None = None
+    verify_conv: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +115,9 @@ class PoolIO:
     def gdn(self, state: TrunkState, li: int, p, mixed, b, a):
         """Conv + delta rule for linear layer li. Returns (o [B, T, nv, dv] f32, new state)."""
         cfg = self.cfg
-        (h0, w0), (gdn_h, gdn_conv) = ordered_read((state.gdn_h[li, self.slots], state.gdn_conv[li, self.slots]),
-                                                   state.gdn_h, state.gdn_conv)
+        (h0, w0), (gdn_h, gdn_conv) = ordered_read(
+            (state.gdn_h[li, self.slots], state.gdn_conv[li, self.slots]), state.gdn_h, state.gdn_conv
+        )
         state = state.replace(gdn_h=gdn_h, gdn_conv=gdn_conv)
         h0 = h0.astype(jnp.float32)
         if self.fresh is not None:
@@ -172,6 +173,10 @@ class PoolIO:
         scale = self.cfg.head_dim**-0.5
         o = _fenced(
             lambda q, kk, vv, bt, pos: self.ops.attention(q, kk, vv, bt, pos, scale, layer=ai),
-            q, kv_k, kv_v, self.block_tables, self.positions,
+            q,
+            kv_k,
+            kv_v,
+            self.block_tables,
+            self.positions,
         )
         return o, state.replace(kv_k=kv_k, kv_v=kv_v)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -93,21 +93,31 @@ def train(cfg: ModelConfig, r: TrainRecipe, corpus: Corpus, log: Callable[[str],
         acc = {k: acc[k] + float(m[k]) for k in acc}
         seen += 1
         if i % r.log_every == 0 or i == r.steps:
-            row = {"step": i, **{k: v / seen for k, v in acc.items()}, "lr": float(lr_at(i)),
-                   "elapsed_s": round(time.time() - t0, 1)}
+            row = {
+                "step": i,
+                **{k: v / seen for k, v in acc.items()},
+                "lr": float(lr_at(i)),
+                "elapsed_s": round(time.time() - t0, 1),
+            }
             history["train"].append(row)
-            log(f"step {i:5d}  loss {row['loss']:.4f}  mtp {row['mtp_loss']:.4f}  "
-                f"lr {row['lr']:.2e}  {row['elapsed_s']:.0f}s")
+            log(
+                f"step {i:5d}  loss {row['loss']:.4f}  mtp {row['mtp_loss']:.4f}  "
+                f"lr {row['lr']:.2e}  {row['elapsed_s']:.0f}s"
+            )
             acc, seen = {k: 0.0 for k in acc}, 0
         if i % r.eval_every == 0 or i == r.steps:
             ev = evaluate(params, cfg, curve_windows, r.batch)
             history["val"].append({"step": i, **ev})
-            log(f"step {i:5d}  val loss {ev['loss']:.4f}  ppl {ev['ppl']:.3f}  "
-                f"mtp {ev['mtp_loss']:.4f}  agree {ev['first_draft_agreement']:.3f}")
+            log(
+                f"step {i:5d}  val loss {ev['loss']:.4f}  ppl {ev['ppl']:.3f}  "
+                f"mtp {ev['mtp_loss']:.4f}  agree {ev['first_draft_agreement']:.3f}"
+            )
     train_s = time.time() - t0
     final = evaluate(params, cfg, tiling_windows(corpus.val, r.seq_len), r.batch)
-    log(f"final val: loss {final['loss']:.4f}  ppl {final['ppl']:.3f}  "
-        f"bits/byte {final['bits_per_byte']:.3f}  first-draft agreement {final['first_draft_agreement']:.3f}")
+    log(
+        f"final val: loss {final['loss']:.4f}  ppl {final['ppl']:.3f}  "
+        f"bits/byte {final['bits_per_byte']:.3f}  first-draft agreement {final['first_draft_agreement']:.3f}"
+    )
     return params, {
         "recipe": dataclasses.asdict(r),
         "corpus": corpus.summary(),

@@ -69,7 +69,9 @@ def init_for_training(cfg: ModelConfig, seed: int) -> dict:
     reset = {"norm0": jnp.zeros_like, "norm1": jnp.ones_like}
     return jax.tree_util.tree_map(
         lambda spec, w: reset[spec.kind](w) if spec.kind in reset else w,
-        param_specs(cfg), params, is_leaf=is_spec,
+        param_specs(cfg),
+        params,
+        is_leaf=is_spec,
     )
 
 
@@ -87,9 +89,14 @@ def window_metrics(params, cfg: ModelConfig, windows, ops=TrainOps()) -> dict:
     mtp_in = final_norm(params, cfg, hidden) if cfg.mtp_hidden_postnorm else hidden
     cache = new_cache(cfg, b, t)
     io = PoolIO(
-        cfg=cfg, slots=None, lens=None,
+        cfg=cfg,
+        slots=None,
+        lens=None,
         positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-        block_tables=jnp.arange(b, dtype=jnp.int32)[:, None], null_block=b, gdn_mode="rows", ops=ops,
+        block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
+        null_block=b,
+        gdn_mode="rows",
+        ops=ops,
     )
     state = cache.replace(kv_k=cache.kv_k[: cfg.num_mtp_layers], kv_v=cache.kv_v[: cfg.num_mtp_layers])
     _, mtp_logits, _ = mtp_forward(params, cfg, windows[:, 1 : t + 1], mtp_in, io, state)
