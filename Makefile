@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # makes pyenv's python3 a 3.12 here; python3.12 is tried first where it is on PATH.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: demo test bench fixtures notebooks train-small clean
+.PHONY: demo test lint bench fixtures notebooks train-small clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (install one or set PYTHON=...)"; exit 2; }
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/metrale-jax diff --checkpoint tiny --steps 8 --verify-batch 4 --verify-batch-ks 4,3,2 --mtp --fragment-slots --speculative --num-drafts 3 --out out/demo_diff.json
 
-test: $(STAMP)
+# The style gate: formatting, lint (line length 120, pyproject [tool.ruff]) and types ([tool.mypy]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest tests
 
 bench: $(STAMP)
