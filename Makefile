@@ -30,7 +30,7 @@ test: lint
 	$(PY) -m pytest tests
 
 bench: $(STAMP)
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks --notes BUILD_NOTES.md
 
 notebooks: $(STAMP)
 	cd notebooks && for nb in *.py; do MPLBACKEND=Agg ../$(PY) $$nb || exit 1; done

@@ -1,7 +1,8 @@
-"""metrale-jax benchmarks (issue #8): speed and compile cost, side by side with Hugging Face
-transformers and with the HBM roofline. One entry point: `python -m benchmarks` (`make bench`).
+"""metrale-jax benchmarks: speed and compile cost, side by side with Hugging Face transformers
+and with the HBM roofline. One entry point: `python -m benchmarks` (`make bench`).
 
-Sections (each printed as a table and written to one JSON file):
+Sections (each printed as a table and written to one JSON file; `make bench` also writes them
+into the results section of BUILD_NOTES.md):
 - `hf`       JAX engine vs HF transformers on the CPU, same config and weights, timed in one run,
              alternating the two sides: prefill tok/s, one decode step, one verify step (n, K).
 - `compile`  time to first step and compilations of a 50-step ragged verify loop: the tiny
@@ -9,14 +10,17 @@ Sections (each printed as a table and written to one JSON file):
 - `forwards` the `pallas` forward (interpreter on CPU) vs `xla` on the same step.
 - `gap`      the engine's verify step after idle gaps of 0/2/8 ms: what the call-by-call
              timing of `hf` charges the faster side.
+- `slots`    a one-sequence step against the engine's slot count (a pool copied instead of
+             updated in place grows with the slots).
 - `roofline` (`--gpu`) bytes each step must move / measured HBM bandwidth vs the measured step
              time, per kernel and per step, for a Qwen3.5-35B-A3B-size layer stack; a dry run
              with tiny shapes under the interpreter where no GPU is present.
 
-Modules: `cli` (arguments, sections, JSON), `timing` (statistics, machine facts, compile
-listener), `models` (configs, settings, checkpoints), `steps` (engine step runners), `hf_env`
-(the HF venv and the driver client), `hf_driver` (runs under the HF venv's Python 3.11; imports
-neither jax nor this package), `vs_hf`, `compile_cost`, `forwards`, `idle_gap`, `roofline`, `report`.
+Modules: `cli` (the Click command, sections, JSON, notes), `report` (the tables, text and
+markdown), `timing` (statistics, machine facts, compile listener), `models` (configs, settings,
+checkpoints), `steps` (engine step runners), `hf_env` (the HF venv and the driver client),
+`hf_driver` (runs under the HF venv's Python 3.11; imports neither jax nor this package),
+`vs_hf`, `compile_cost`, `forwards`, `idle_gap`, `slot_scaling`, `roofline`.
 `gpu_check.py` / `gpu_check.sh` are the kernel device check, which `roofline` reuses;
 `roofline_gpu.sh` is the roofline as one prepared command for a GPU machine. README.md says how
 to run and read it all.

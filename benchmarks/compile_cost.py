@@ -18,13 +18,14 @@ compilations after its warm-up steps; `tests/test_benchmarks.py` asserts both st
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+from typing import Any
 
+import click
 import numpy as np
 
 from benchmarks import models
@@ -54,7 +55,7 @@ class ProgramTimer:
                 self.compiled.append((name, time.perf_counter() - t0))
             return out
 
-        programs.run = run
+        programs.run = run  # type: ignore[method-assign]  # this engine's calls only, not the class's
 
 
 def ragged_verify_loop(
@@ -77,7 +78,7 @@ def ragged_verify_loop(
     kmax = engine.counts.k
     max_len = max_len or engine.settings.max_seq_len - 2 * kmax - 2
     seqs = [engine.alloc_sequence() for _ in prompts]
-    out = {"step_s": []}
+    out: dict[str, Any] = {"step_s": []}
     try:
         t0 = time.perf_counter()
         last = [int(np.argmax(engine.prefill(s, p))) for s, p in zip(seqs, prompts)]
@@ -189,12 +190,12 @@ def run(models_: list[str], steps: int, repeats: int, *, isolate: bool = True, l
             )
             results[(m, layout)].append(res)
     rows = []
-    for (m, layout), runs in results.items():
+    for (m, _), runs in results.items():
         summary = {
             k: Stats.of([x[k] for x in runs]).__dict__
             for k in ("time_to_first_step_s", "engine_init_s", "prefill_first_s", "first_step_s")
         }
-        prog = {}
+        prog: dict[str, list[float]] = {}
         for x in runs:
             for p in x["programs"]:
                 prog.setdefault(p["name"], []).append(p["compile_s"])
@@ -241,15 +242,13 @@ def _isolated(model_name: str, layout: str, steps: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="one compile-cost case (JSON on the last stdout line)")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--layout", default="scan", choices=("scan", "unrolled"))
-    ap.add_argument("--steps", type=int, default=50)
-    a = ap.parse_args(argv)
-    print(json.dumps(measure(a.model, a.layout, a.steps)))
-    return 0
+@click.command(help="One compile-cost case in this process (its JSON on the last stdout line).")
+@click.option("--model", required=True)
+@click.option("--layout", type=click.Choice(["scan", "unrolled"]), default="scan")
+@click.option("--steps", type=int, default=50)
+def main(model: str, layout: str, steps: int) -> None:
+    print(json.dumps(measure(model, layout, steps)))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -15,16 +15,21 @@ Per case:
   The GDN chunk kernel is compute-bound, so it sits far above its floor by nature.
 
 The table is printed last; the exit status is 1 when any case fails or errors.
+
+NOTE: argparse, not Click: the check runs on a bare jax install (`gpu_check.sh`), with nothing
+from the repo but `kernels_pallas/` and `metrale_jax/text_table.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +39,7 @@ import numpy as np
 from kernels_pallas import common, testing
 from kernels_pallas.gdn import api as gdn_api
 from kernels_pallas.paged_attention import api as attn_api
+from metrale_jax.text_table import text_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +119,12 @@ def abstract_args(case: Case, shape: dict) -> tuple:
 
 
 def supported(case: Case, shape: dict, backend: str) -> str | None:
-    check = {
+    checks: dict[str, Callable[..., str | None]] = {
         "gdn_rows": gdn_api.gdn_rows_supported,
         "gdn_chunk": gdn_api.gdn_chunk_supported,
         "attention": attn_api.paged_attention_supported,
-    }[case.kernel]
-    return check(*abstract_args(case, shape), backend=backend)
+    }
+    return checks[case.kernel](*abstract_args(case, shape), backend=backend)
 
 
 def _attention_dims(shape: dict):
@@ -180,8 +186,8 @@ def _attention(case: Case, shape: dict, rng, interpret: bool):
         rng, ml_dtypes.bfloat16, b=b, t=t, h=h, kvh=kvh, d=d, bs=bs, nb=nb, mb=mb, starts=starts
     )
     scale = d**-0.5
-    kernel = jax.jit(lambda *a: attn_api.paged_attention(*a, scale, interpret=interpret))
-    ref = jax.jit(lambda *a: attn_api.paged_attention(*a, scale, implementation="reference"))
+    kernel = jax.jit(functools.partial(attn_api.paged_attention, scale=scale, interpret=interpret))
+    ref = jax.jit(functools.partial(attn_api.paged_attention, scale=scale, implementation="reference"))
     live_keys = int((positions.max(axis=1) + 1).sum())
     moved = 2 * (2 * q.size) + 2 * live_keys * kvh * d * 2 + tables.size * 4 + positions.size * 4
     rows = slice(max(0, t - 32), t)
@@ -219,17 +225,23 @@ def run_case(case: Case, *, dry_run: bool, iters: int, bandwidth: float, seed: i
 
 
 def format_table(rows: list[Row], bandwidth: float, header: str) -> str:
-    lines = [header, f"HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s (floor = bytes moved / that)"]
-    lines.append(
-        f"{'case':<22}{'kernel':<11}{'ms':>9}{'ref ms':>9}{'floor ms':>10}{'x floor':>9}{'err':>10}{'ref err':>10}  result"
-    )
-    for r in rows:
-        result = "ok" if r.ok else "FAIL"
-        lines.append(
-            f"{r.case:<22}{r.kernel:<11}{r.ms:>9.3f}{r.ref_ms:>9.3f}{r.floor_ms:>10.3f}{r.ms / r.floor_ms:>9.1f}"
-            f"{r.err:>10.1e}{r.ref_err:>10.1e}  {result}{(' ' + r.note) if r.note else ''}"
+    cells = [
+        (
+            r.case,
+            r.kernel,
+            f"{r.ms:.3f}",
+            f"{r.ref_ms:.3f}",
+            f"{r.floor_ms:.3f}",
+            f"{r.ms / r.floor_ms:.1f}",
+            f"{r.err:.1e}",
+            f"{r.ref_err:.1e}",
+            ("ok" if r.ok else "FAIL") + (f" {r.note}" if r.note else ""),
         )
-    return "\n".join(lines)
+        for r in rows
+    ]
+    headers = ("case", "kernel", "ms", "ref ms", "floor ms", "x floor", "err", "ref err", "result")
+    table = text_table(headers, cells, right=range(2, 8))
+    return "\n".join([header, f"HBM copy bandwidth {bandwidth / 1e9:.0f} GB/s (floor = bytes moved / that)", *table])
 
 
 def main(argv=None) -> int:
@@ -252,7 +264,8 @@ def main(argv=None) -> int:
         for i, c in enumerate(cases)
     ]
     device = jax.devices()[0]
-    header = f"gpu_check: jax {jax.__version__}, {device.device_kind} ({backend}){', DRY RUN (interpreter, tiny shapes)' if args.dry_run else ''}"
+    dry = ", DRY RUN (interpreter, tiny shapes)" if args.dry_run else ""
+    header = f"gpu_check: jax {jax.__version__}, {device.device_kind} ({backend}){dry}"
     print(format_table(rows, bandwidth, header))
     return 0 if all(r.ok for r in rows) else 1
 

@@ -2,7 +2,7 @@
 # Device check of the Pallas kernels: every kernel against its reference at real shapes, timed
 # against the HBM bandwidth floor measured in the same run; prints a short table last and exits 1
 # when a case fails. Needs an NVIDIA GPU with jax >= 0.11.2 (CUDA) already installed; no network,
-# and nothing from the repo but kernels_pallas/ (no flax). About 2-4 minutes on an H200.
+# and nothing from the repo but kernels_pallas/ and metrale_jax/text_table.py (no flax).
 #
 # Usage: bash benchmarks/gpu_check.sh [--only NAME] [--iters N] [--seed S]
 #        bash benchmarks/gpu_check.sh --dry-run      # any machine: interpreter, tiny shapes

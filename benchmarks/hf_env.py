@@ -82,11 +82,13 @@ class HFClient:
             env=env,
             cwd=ROOT,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes (above)
+        self._send, self._answers = self.proc.stdin, self.proc.stdout
 
     def call(self, op: str, **fields) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        self._send.write(json.dumps({"op": op, **fields}) + "\n")
+        self._send.flush()
+        line = self._answers.readline()
         if not line:
             raise RuntimeError(f"HF driver exited (code {self.proc.poll()}); see {self.stderr_path}")
         ans = json.loads(line)
@@ -97,8 +99,8 @@ class HFClient:
     def close(self):
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
+                self._send.write(json.dumps({"op": "quit"}) + "\n")
+                self._send.flush()
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()

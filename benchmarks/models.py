@@ -48,7 +48,8 @@ def qwen35_stack(layers: int = 4, tiny: bool = False) -> ModelConfig:
             mlp_only_layers=(),
             weight_layout="qwen3_5",
             trunk_prefix="model.language_model",
-            linear_key_head_dim=TINY.linear_value_head_dim,  # dk = dv, as in the release (gpu_check's kernel cases assume it)
+            # dk = dv, as in the release (gpu_check's kernel cases assume it)
+            linear_key_head_dim=TINY.linear_value_head_dim,
         )
     return ModelConfig(
         model_type="qwen3_5_moe_text",

@@ -1,14 +1,75 @@
-"""Text tables of the benchmark results (the JSON dicts the sections return).
+"""The benchmark results as tables: one `Table` per section, rendered as text (stdout) or markdown
+(the results section of BUILD_NOTES.md).
 
-Every timing is shown as its median with the (min-max) of the repeats; every ratio as the ratio
-of the medians with the quartiles (p25-p75) of the per-round ratios of the alternated runs.
+Owns: `Table` (a section's title, notes, column grids and footer), one `*_table(result)` per
+section (from the JSON dict the section returns), `machine_line`, and `write_notes` (the
+markdown between the two marker lines of a notes file).
+
+Invariants:
+- Every timing is shown as its median with the (min-max) of the repeats; every ratio as the
+  ratio of the medians with the quartiles (p25-p75) of the per-round ratios of the alternated
+  runs.
+- Text and markdown render the same cells (`metrale_jax.text_table`); only the framing differs.
+- `write_notes` replaces only what lies between `NOTES_BEGIN` and `NOTES_END`, atomically (a
+  temporary file renamed over the original), and refuses a file without both markers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import tempfile
+from collections.abc import Sequence
+
+from metrale_jax.text_table import markdown_table, text_table
+
 # |JAX - HF| logits above this (relative to the largest |logit|, at least 1) mark a case: the two
-# sides did not run the same model (float32 parity is ~1e-5).
+# sides did not run the same model (float32 parity is far below it).
 LOGIT_TOLERANCE = 1e-3
+
+NOTES_BEGIN = "<!-- bench:results:begin -->"
+NOTES_END = "<!-- bench:results:end -->"
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """Columns of cells; every column but those in `left` is right-aligned."""
+
+    headers: Sequence[str]
+    rows: Sequence[Sequence[str]]
+    left: Sequence[int] = (0,)
+
+    @property
+    def right(self) -> list[int]:
+        return [i for i in range(len(self.headers)) if i not in self.left]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One section's results: a one-line title, note lines, grids, footer lines."""
+
+    title: str
+    notes: Sequence[str] = ()
+    grids: Sequence[Grid] = ()
+    footer: Sequence[str] = ()
+
+    def with_footer(self, *lines: str) -> Table:
+        return dataclasses.replace(self, footer=(*self.footer, *lines))
+
+    def text(self) -> str:
+        out = [f"== {self.title}", *(f"   {n}" for n in self.notes)]
+        for g in self.grids:
+            out += text_table(g.headers, g.rows, right=g.right)
+        return "\n".join(out + [f"   {f}" for f in self.footer])
+
+    def markdown(self) -> str:
+        out = [f"#### {self.title}", ""]
+        if self.notes:
+            out += [*(f"- {n}" for n in self.notes), ""]
+        for g in self.grids:
+            out += [*markdown_table(g.headers, g.rows, right=g.right), ""]
+        out += [f"- {f}" for f in self.footer]
+        return "\n".join(out).rstrip("\n")
 
 
 def _mm(s: dict, scale: float = 1e3, fmt: str = ".3f") -> str:
@@ -34,145 +95,329 @@ def machine_line(m: dict) -> str:
     )
 
 
-def hf_table(r: dict) -> str:
+def hf_table(r: dict) -> Table:
     if r.get("skipped"):
-        return f"== JAX engine vs HF transformers: SKIPPED: {r['skipped']}"
+        return Table(f"JAX engine vs HF transformers: SKIPPED: {r['skipped']}")
     hf = r["hf"]
-    lines = [
-        f"== JAX engine vs HF transformers {hf['transformers']} (torch {hf['torch']}, {hf['attn_implementation']} attention, "
-        f"{hf['experts_implementation']} experts, {hf['threads']} thread(s)), CPU float32",
-        f"   model {r['model']}, decode/verify context {r['context_tokens']} tokens; {r['repeats']} repeats alternated "
-        f"JAX/HF after {r['warmup']} warm-up; times in ms: median (min-max); JAX/HF = ratio of medians (p25-p75 of per-round ratios)",
-        "   'JAX dev' = the engine's compiled program alone (no host bookkeeping, no logits copy): the rest of 'JAX' is host work",
-        f"   'b2b' = the same calls in {r['block']}-call blocks back to back (blocks alternated, the steady state of a "
-        "serving loop; the call-by-call columns start every call after the other side's turn)",
-        f"{'step':<8}{'n':>3}{'T/K':>6}  {'JAX ms':>26}  {'JAX dev':>8}  {'HF ms':>26}  {'JAX/HF':>7} {'per-round':>15}  {'HF/JAX':>7}  "
-        f"{'b2b JAX':>8}  {'b2b HF':>8}  {'HF/JAX b2b':>10} {'per-round':>15}  {'|dlogit|':>8}  extra",
-    ]
+    rows = []
     for c in r["cases"]:
         extra = f"tok/s JAX {c['jax_tok_s']:.0f}, HF {c['hf_tok_s']:.0f}" if c["kind"] == "prefill" else ""
         if c["max_abs_diff"] > LOGIT_TOLERANCE * max(1.0, c["max_abs_logit"]):
             extra = f"LOGITS DIFFER (not the same model?) {extra}"
-        lines.append(
-            f"{c['kind']:<8}{c['n']:>3}{c['t']:>6}  {_mm(c['jax']):>26}  {1e3 * c.get('jax_device_s', float('nan')):>8.3f}  "
-            f"{_mm(c['hf']):>26}  {c['ratio_of_medians']:>7.3f} "
-            f"{_q(c['ratio']):>15}  {c['hf_over_jax']:>6.1f}x  {1e3 * c['jax_b2b']['median']:>8.3f}  {1e3 * c['hf_b2b']['median']:>8.3f}  "
-            f"{c['hf_over_jax_b2b']:>9.1f}x {_inv_q(c['ratio_b2b']):>15}  {c['max_abs_diff']:>8.1e}  {extra}"
+        rows.append(
+            (
+                c["kind"],
+                str(c["n"]),
+                str(c["t"]),
+                _mm(c["jax"]),
+                f"{1e3 * c.get('jax_device_s', float('nan')):.3f}",
+                _mm(c["hf"]),
+                f"{c['ratio_of_medians']:.3f}",
+                _q(c["ratio"]),
+                f"{c['hf_over_jax']:.1f}x",
+                f"{1e3 * c['jax_b2b']['median']:.3f}",
+                f"{1e3 * c['hf_b2b']['median']:.3f}",
+                f"{c['hf_over_jax_b2b']:.1f}x",
+                _inv_q(c["ratio_b2b"]),
+                f"{c['max_abs_diff']:.1e}",
+                extra,
+            )
         )
-    return "\n".join(lines)
+    headers = (
+        "step",
+        "n",
+        "T/K",
+        "JAX ms",
+        "JAX dev",
+        "HF ms",
+        "JAX/HF",
+        "per-round",
+        "HF/JAX",
+        "b2b JAX",
+        "b2b HF",
+        "HF/JAX b2b",
+        "per-round",
+        "|dlogit|",
+        "extra",
+    )
+    return Table(
+        f"JAX engine vs HF transformers {hf['transformers']} (torch {hf['torch']}, {hf['attn_implementation']} "
+        f"attention, {hf['experts_implementation']} experts, {hf['threads']} thread(s)), CPU float32",
+        notes=(
+            f"model {r['model']}, decode/verify context {r['context_tokens']} tokens; {r['repeats']} repeats "
+            f"alternated JAX/HF after {r['warmup']} warm-up; times in ms: median (min-max); JAX/HF = ratio of "
+            "medians (p25-p75 of per-round ratios)",
+            "'JAX dev' = the engine's compiled program alone (no host bookkeeping, no logits copy): the rest of "
+            "'JAX' is host work",
+            f"'b2b' = the same calls in {r['block']}-call blocks back to back (blocks alternated, the steady state "
+            "of a serving loop; the call-by-call columns start every call after the other side's turn)",
+        ),
+        grids=(Grid(headers, rows, left=(0, 14)),),
+    )
 
 
-def compile_table(r: dict) -> str:
-    lines = [
-        f"== Compile cost: {r['steps']}-step ragged verify loop (propose, verify K in {{1..4}} ragged, stash, fold, commit), "
-        f"{r['repeats']} run(s) each{', each in a fresh process' if r['isolated'] else ''}; seconds: median (min-max)",
-        "   time to first step = the engine's first prefill + the loop's first step (engine construction apart: 'init')",
-        f"{'model':<16}{'layers':>7}{'groups':>7}  {'layout':<10}{'init':>6}{'time to first step':>26}{'prefill 1st':>13}{'loop step 1':>13}"
-        f"{'verify compile':>16}{'steady ms':>11}{'compiles':>10}{'after warm-up':>15}",
-    ]
+def compile_table(r: dict) -> Table:
+    rows = []
     for c in r["cases"]:
-        layout = c["layout"] if c["groups"] > 1 else "one group"
         sr = c["program_compile_s"].get("step_rows", {"median": float("nan")})
-        lines.append(
-            f"{c['model']:<16}{c['layers']:>7}{c['groups']:>7}  {layout:<10}{c['engine_init_s']['median']:>6.1f}"
-            f"{_mm(c['time_to_first_step_s'], 1, '.1f'):>26}"
-            f"{c['prefill_first_s']['median']:>13.1f}{c['first_step_s']['median']:>13.1f}{sr['median']:>16.1f}"
-            f"{c['steady_step_ms']:>11.1f}{'/'.join(str(x) for x in c['compilations']):>10}"
-            f"{c['recompiles_after_warmup'] + c['backend_compiles_after_warmup']:>15}"
+        rows.append(
+            (
+                c["model"],
+                str(c["layers"]),
+                str(c["groups"]),
+                c["layout"] if c["groups"] > 1 else "one group",
+                f"{c['engine_init_s']['median']:.1f}",
+                _mm(c["time_to_first_step_s"], 1, ".1f"),
+                f"{c['prefill_first_s']['median']:.1f}",
+                f"{c['first_step_s']['median']:.1f}",
+                f"{sr['median']:.1f}",
+                f"{c['steady_step_ms']:.1f}",
+                "/".join(str(x) for x in c["compilations"]),
+                str(c["recompiles_after_warmup"] + c["backend_compiles_after_warmup"]),
+            )
         )
+    headers = (
+        "model",
+        "layers",
+        "groups",
+        "layout",
+        "init",
+        "time to first step",
+        "prefill 1st",
+        "loop step 1",
+        "verify compile",
+        "steady ms",
+        "compiles",
+        "after warm-up",
+    )
+    footer = []
     by = {(c["model"], c["layout"]): c for c in r["cases"]}
     for (m, layout), c in by.items():
         if layout == "scan" and (m, "unrolled") in by:
             u = by[(m, "unrolled")]
-            lines.append(
-                f"   {m}: unrolled/scan time to first step {u['time_to_first_step_s']['median'] / c['time_to_first_step_s']['median']:.2f}x; "
-                + ", ".join(
-                    f"{p} compile {u['program_compile_s'][p]['median']:.1f} s -> {c['program_compile_s'][p]['median']:.1f} s"
-                    for p in ("prefill_chunk", "step_rows", "propose")
-                    if p in c["program_compile_s"] and p in u["program_compile_s"]
-                )
+            first = u["time_to_first_step_s"]["median"] / c["time_to_first_step_s"]["median"]
+            compiles = ", ".join(
+                f"{p} compile {u['program_compile_s'][p]['median']:.1f} s -> "
+                f"{c['program_compile_s'][p]['median']:.1f} s"
+                for p in ("prefill_chunk", "step_rows", "propose")
+                if p in c["program_compile_s"] and p in u["program_compile_s"]
             )
-    return "\n".join(lines)
+            footer.append(f"{m}: unrolled/scan time to first step {first:.2f}x; {compiles}")
+    isolated = ", each in a fresh process" if r["isolated"] else ""
+    return Table(
+        f"Compile cost: {r['steps']}-step ragged verify loop (propose, verify K in {{1..4}} ragged, stash, fold, "
+        f"commit), {r['repeats']} run(s) each{isolated}; seconds: median (min-max)",
+        notes=(
+            "time to first step = the engine's first prefill + the loop's first step (engine construction apart: "
+            "'init')",
+        ),
+        grids=(Grid(headers, rows, left=(0, 3)),),
+        footer=footer,
+    )
 
 
-def forwards_table(r: dict) -> str:
-    lines = [
-        f"== Forwards: pallas ({'interpreter' if r['interpret'] else 'compiled kernels'}) vs xla, model {r['model']}, context "
-        f"{r['context_tokens']} tokens; ms: median (min-max); pallas/xla = ratio of medians (p25-p75 per round)",
-        f"{'step':<8}{'n':>3}{'T/K':>6}  {'pallas ms':>26}  {'xla ms':>26}  {'pallas/xla':>10} {'per-round':>15}  "
-        f"{'1st call s pallas/xla':>22}  {'|dlogit|':>8}",
-    ]
-    for c in r["cases"]:
-        f = c["first_call_s"]
-        lines.append(
-            f"{c['step']:<8}{c['n']:>3}{c['t']:>6}  {_mm(c['pallas']):>26}  {_mm(c['xla']):>26}  {c['ratio_of_medians']:>10.2f} "
-            f"{_q(c['ratio']):>15}  {f['pallas']:>10.1f} / {f['xla']:<9.1f}  {c['max_abs_diff']:>8.1e}"
+def forwards_table(r: dict) -> Table:
+    rows = [
+        (
+            c["step"],
+            str(c["n"]),
+            str(c["t"]),
+            _mm(c["pallas"]),
+            _mm(c["xla"]),
+            f"{c['ratio_of_medians']:.2f}",
+            _q(c["ratio"]),
+            f"{c['first_call_s']['pallas']:.1f} / {c['first_call_s']['xla']:.1f}",
+            f"{c['max_abs_diff']:.1e}",
         )
-    if r["refusals"]:
-        lines.append("   kernel refusals (ran the reference): " + "; ".join(r["refusals"]))
-    return "\n".join(lines)
+        for c in r["cases"]
+    ]
+    headers = (
+        "step",
+        "n",
+        "T/K",
+        "pallas ms",
+        "xla ms",
+        "pallas/xla",
+        "per-round",
+        "1st call s pallas/xla",
+        "|dlogit|",
+    )
+    kernels = "interpreter" if r["interpret"] else "compiled kernels"
+    footer = ["kernel refusals (ran the reference): " + "; ".join(r["refusals"])] if r["refusals"] else []
+    return Table(
+        f"Forwards: pallas ({kernels}) vs xla, model {r['model']}, context {r['context_tokens']} tokens; ms: "
+        "median (min-max); pallas/xla = ratio of medians (p25-p75 per round)",
+        grids=(Grid(headers, rows),),
+        footer=footer,
+    )
 
 
-def gap_table(r: dict) -> str:
+def gap_table(r: dict) -> Table:
     base = r["gaps"][0]["best_median_s"]
-    lines = [
-        f"== Idle gap before a call: the engine's verify step (n={r['n']}, K={r['k']}, context {r['context_tokens']} tokens, "
-        f"model {r['model']}), {r['calls']} calls per gap and round, best of {r['rounds']} round medians",
-        f"{'gap ms':>7}{'ms':>9}{'x first':>9}  round medians ms",
-    ]
-    for g in r["gaps"]:
-        rounds = " ".join(f"{1e3 * x:.3f}" for x in g["round_medians_s"])
-        lines.append(
-            f"{1e3 * g['gap_s']:>7.0f}{1e3 * g['best_median_s']:>9.3f}{g['best_median_s'] / base:>9.2f}  {rounds}"
+    rows = [
+        (
+            f"{1e3 * g['gap_s']:.0f}",
+            f"{1e3 * g['best_median_s']:.3f}",
+            f"{g['best_median_s'] / base:.2f}",
+            " ".join(f"{1e3 * x:.3f}" for x in g["round_medians_s"]),
         )
-    return "\n".join(lines)
+        for g in r["gaps"]
+    ]
+    return Table(
+        f"Idle gap before a call: the engine's verify step (n={r['n']}, K={r['k']}, context "
+        f"{r['context_tokens']} tokens, model {r['model']}), {r['calls']} calls per gap and round, best of "
+        f"{r['rounds']} round medians",
+        grids=(Grid(("gap ms", "ms", "x first", "round medians ms"), rows, left=(3,)),),
+    )
 
 
-def slots_table(r: dict) -> str:
+def slots_table(r: dict) -> Table:
     base = r["rows"][0]
-    lines = [
-        f"== Slots: one sequence's step (context {r['context_tokens']} tokens, verify K={r['k']}, model {r['model']}) "
-        f"against the engine's slot count; compiled programs alone, median of {r['iters']}",
-        f"{'slots':>6}{'GDN state MB':>14}{'decode ms':>11}{'x first':>9}{'verify ms':>11}{'x first':>9}  pool copies",
-    ]
-    for row in r["rows"]:
-        copies = sum(row["pool_copies"].values())
-        lines.append(
-            f"{row['slots']:>6}{row['gdn_state_bytes'] / 1e6:>14.2f}{1e3 * row['decode_s']:>11.3f}"
-            f"{row['decode_s'] / base['decode_s']:>9.2f}{1e3 * row['verify_s']:>11.3f}"
-            f"{row['verify_s'] / base['verify_s']:>9.2f}  {copies}"
+    rows = [
+        (
+            str(row["slots"]),
+            f"{row['gdn_state_bytes'] / 1e6:.2f}",
+            f"{1e3 * row['decode_s']:.3f}",
+            f"{row['decode_s'] / base['decode_s']:.2f}",
+            f"{1e3 * row['verify_s']:.3f}",
+            f"{row['verify_s'] / base['verify_s']:.2f}",
+            str(sum(row["pool_copies"].values())),
         )
-    return "\n".join(lines)
-
-
-def roofline_table(r: dict) -> str:
-    cfg = r["config"]
-    lines = [
-        f"== Roofline{' (DRY RUN: tiny shapes, interpreter; numbers meaningless)' if r['dry_run'] else ''}: {r['device']} ({r['backend']}), "
-        f"{r['layers']}-layer stack {''.join('A' if x == 'attn' else 'G' for x in r['layer_types'])} at hidden {cfg['hidden_size']}, "
-        f"E={cfg['num_experts']} top-{cfg['num_experts_per_tok']}, vocab {cfg['vocab_size']}, bf16 weights and KV, forward {r['forward']}",
-        f"   measured copy bandwidth {r['bandwidth_gb_s']:.0f} GB/s; floor = bytes / bandwidth; 'must' counts the routed experts "
-        f"the rows hit, 'impl' every expert (the engine's MoE is dense)",
-        f"{'step':<8}{'n':>4}{'t':>3}{'ctx':>6}{'device ms':>11}{'engine ms':>11}{'floor must':>12}{'floor impl':>12}"
-        f"{'x must':>8}{'x impl':>8}{'MB weights':>12}{'MB state':>10}{'MB KV':>9}{'MB logits':>10}",
+        for row in r["rows"]
     ]
+    headers = ("slots", "GDN state MB", "decode ms", "x first", "verify ms", "x first", "pool copies")
+    return Table(
+        f"Slots: one sequence's step (context {r['context_tokens']} tokens, verify K={r['k']}, model "
+        f"{r['model']}) against the engine's slot count; compiled programs alone, median of {r['iters']}",
+        grids=(Grid(headers, rows, left=()),),
+    )
+
+
+def roofline_table(r: dict) -> Table:
+    cfg = r["config"]
+    steps = []
     for s in r["steps"]:
         b = s["bytes"]
-        lines.append(
-            f"{s['step']:<8}{s['n']:>4}{s['t']:>3}{s['ctx']:>6}{s['device_ms']:>11.3f}{s['engine_ms']:>11.3f}{s['floor_must_ms']:>12.3f}"
-            f"{s['floor_impl_ms']:>12.3f}{s['x_floor_must']:>8.1f}{s['x_floor_impl']:>8.1f}{b['weights_must'] / 1e6:>12.1f}"
-            f"{b['state'] / 1e6:>10.2f}{b['kv'] / 1e6:>9.2f}{b['logits'] / 1e6:>10.2f}"
-        )
-    lines.append(
-        f"{'  kernel (per layer)':<28}{'shape':<44}{'ms':>9}{'floor ms':>10}{'x floor':>9}{'x layers':>9}{'ms/step':>9}  result"
-    )
-    for s in r["steps"]:
-        for k in s["kernels"]:
-            shape = ",".join(f"{a}={v}" for a, v in k["shape"].items())
-            lines.append(
-                f"  {s['step']} n={s['n']} {k['kernel']:<14}{shape:<44}{k['ms']:>9.3f}{k['floor_ms']:>10.4f}{k['x_floor']:>9.1f}"
-                f"{k['layers_per_step']:>9}{k['per_step_ms']:>9.3f}  {'ok' if k['ok'] else 'FAIL'} {k['note']}"
+        steps.append(
+            (
+                s["step"],
+                str(s["n"]),
+                str(s["t"]),
+                str(s["ctx"]),
+                f"{s['device_ms']:.3f}",
+                f"{s['engine_ms']:.3f}",
+                f"{s['floor_must_ms']:.3f}",
+                f"{s['floor_impl_ms']:.3f}",
+                f"{s['x_floor_must']:.1f}",
+                f"{s['x_floor_impl']:.1f}",
+                f"{b['weights_must'] / 1e6:.1f}",
+                f"{b['state'] / 1e6:.2f}",
+                f"{b['kv'] / 1e6:.2f}",
+                f"{b['logits'] / 1e6:.2f}",
             )
-    if r["refusals"]:
-        lines.append("   kernel refusals (ran the reference): " + "; ".join(r["refusals"]))
-    return "\n".join(lines)
+        )
+    step_headers = (
+        "step",
+        "n",
+        "t",
+        "ctx",
+        "device ms",
+        "engine ms",
+        "floor must",
+        "floor impl",
+        "x must",
+        "x impl",
+        "MB weights",
+        "MB state",
+        "MB KV",
+        "MB logits",
+    )
+    kernels = [
+        (
+            f"{s['step']} n={s['n']}",
+            k["kernel"],
+            ",".join(f"{a}={v}" for a, v in k["shape"].items()),
+            f"{k['ms']:.3f}",
+            f"{k['floor_ms']:.4f}",
+            f"{k['x_floor']:.1f}",
+            str(k["layers_per_step"]),
+            f"{k['per_step_ms']:.3f}",
+            f"{'ok' if k['ok'] else 'FAIL'} {k['note']}".rstrip(),
+        )
+        for s in r["steps"]
+        for k in s["kernels"]
+    ]
+    kernel_headers = (
+        "step",
+        "kernel (per layer)",
+        "shape",
+        "ms",
+        "floor ms",
+        "x floor",
+        "x layers",
+        "ms/step",
+        "result",
+    )
+    dry = " (DRY RUN: tiny shapes, interpreter; numbers meaningless)" if r["dry_run"] else ""
+    stack = "".join("A" if x == "attn" else "G" for x in r["layer_types"])
+    footer = ["kernel refusals (ran the reference): " + "; ".join(r["refusals"])] if r["refusals"] else []
+    return Table(
+        f"Roofline{dry}: {r['device']} ({r['backend']}), {r['layers']}-layer stack {stack} at hidden "
+        f"{cfg['hidden_size']}, E={cfg['num_experts']} top-{cfg['num_experts_per_tok']}, vocab {cfg['vocab_size']}, "
+        f"bf16 weights and KV, forward {r['forward']}",
+        notes=(
+            f"measured copy bandwidth {r['bandwidth_gb_s']:.0f} GB/s; floor = bytes / bandwidth; 'must' counts the "
+            "routed experts the rows hit, 'impl' every expert (the engine's MoE is dense)",
+        ),
+        grids=(Grid(step_headers, steps), Grid(kernel_headers, kernels, left=(0, 1, 2, 8))),
+        footer=footer,
+    )
+
+
+#: The table of each section, by section name.
+TABLES = {
+    "hf": hf_table,
+    "compile": compile_table,
+    "forwards": forwards_table,
+    "gap": gap_table,
+    "slots": slots_table,
+    "roofline": roofline_table,
+}
+
+
+def notes_markdown(command: str, machine: str, tables: Sequence[Table]) -> str:
+    """The results section's body: how it was made, the machine line, then every table."""
+    head = f"Written by `{command}`; regenerate with `make bench` rather than editing by hand.\n\n{machine}"
+    return "\n\n".join([head, *(t.markdown() for t in tables)])
+
+
+def _split_notes(text: str, path: str) -> tuple[str, str]:
+    """(everything up to and including the begin marker's line, the end marker's line onwards)."""
+    lines = text.splitlines(keepends=True)
+    begin = [i for i, x in enumerate(lines) if x.strip() == NOTES_BEGIN]
+    end = [i for i, x in enumerate(lines) if x.strip() == NOTES_END]
+    if len(begin) != 1 or len(end) != 1 or begin[0] > end[0]:
+        raise ValueError(f"{path} needs one line {NOTES_BEGIN} followed by one line {NOTES_END}; not written")
+    return "".join(lines[: begin[0] + 1]), "".join(lines[end[0] :])
+
+
+def check_notes(path: str) -> None:
+    """Raise ValueError (one line) unless `path` holds both marker lines, in order."""
+    with open(path) as f:
+        _split_notes(f.read(), path)
+
+
+def write_notes(path: str, body: str) -> None:
+    """Replace what lies between the markers of `path` with `body` (see the module invariants)."""
+    with open(path) as f:
+        before, after = _split_notes(f.read(), path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".bench-notes-", suffix=".md")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(before + body.rstrip("\n") + "\n" + after)
+        os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -25,6 +25,7 @@ against its own bytes floor, times the layers that call it per step.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -177,17 +178,19 @@ def run(
     )
     eng = bench.engine
     bandwidth = gpu_check.measure_bandwidth(2**20 if dry_run else 2**31, max(iters, 3))
-    log(
-        f"bandwidth {bandwidth / 1e9:.1f} GB/s; model {layers} layers, {'tiny width (dry run)' if dry_run else 'Qwen3.5-35B-A3B width'}"
-    )
+    width = "tiny width (dry run)" if dry_run else "Qwen3.5-35B-A3B width"
+    log(f"bandwidth {bandwidth / 1e9:.1f} GB/s; model {layers} layers, {width}")
     rng = np.random.default_rng(seed)
-    rand = lambda *shape: rng.integers(0, cfg.vocab_size, size=shape).tolist()  # noqa: E731
+
+    def rand(*shape: int) -> list:
+        return rng.integers(0, cfg.vocab_size, size=shape).tolist()
+
     steps = []
     for kind, ns, t in (("decode", decode_ns, 1), ("verify", verify_ns, k)):
         for n in ns:
             bench.context("c", rand(n, ctx))
             toks = rand(n) if kind == "decode" else rand(n, t)
-            call = (lambda: bench.decode("c", toks)) if kind == "decode" else (lambda: bench.verify("c", toks))
+            call = functools.partial(bench.decode if kind == "decode" else bench.verify, "c", toks)
             dev, _ = DeviceStep.capture(eng, call)  # compiles; captures the step program
             engine_ms = 1e3 * float(np.median([call()[0] for _ in range(iters)]))
             device_ms = 1e3 * dev.time(iters)

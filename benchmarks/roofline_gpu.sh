@@ -2,8 +2,7 @@
 # The roofline section (`python -m benchmarks --gpu`) as one prepared command for a GPU machine:
 # a Qwen3.5-35B-A3B-width 8-layer stack (bf16), decode n = 1/8/32 and verify n = 8/32 x K = 4 over
 # 2048 cached tokens, each step against its bytes / measured-bandwidth floor, plus the GDN-rows and
-# paged-attention kernels at the same shapes. Estimated 3-5 minutes on an H200 (mostly compiles);
-# not yet run on one.
+# paged-attention kernels at the same shapes (most of its time is compilation).
 #
 # Needs python3 with jax (CUDA), flax, chex, click, pyyaml, safetensors, ml-dtypes (the device
 # image's python3 holds them); `tomli` is shimmed from the standard tomllib when it is missing.

@@ -2,8 +2,9 @@
 the engine as they found it, so the same step can be timed again and again.
 
 Owns: `max_seq_len_for` (the engine size a benchmark's sequences need), `StepBench` (an `Engine`
-plus the sequences it keeps as decode/verify contexts) and `DeviceStep` (one compiled program of an engine call, re-run alone to time the device work
-without the host's bookkeeping and the logits' copy to the host).
+plus the sequences it keeps as decode/verify contexts) and `DeviceStep` (one compiled program of
+an engine call, re-run alone to time the device work without the host's bookkeeping and the
+logits' copy to the host).
 
 Reset rules: a prefill runs on a fresh sequence that is freed afterwards; a decode step is
 undone on the host (`rewind`; the GDN state has advanced, which changes values but not the
@@ -124,7 +125,7 @@ class DeviceStep:
             return out
 
         self._orig = orig
-        programs.run = run
+        programs.run = run  # type: ignore[method-assign]  # this engine's calls only, not the class's
 
     @classmethod
     def capture(cls, engine: Engine, call, name: str = "step_rows"):
@@ -139,7 +140,7 @@ class DeviceStep:
 
     def release(self) -> None:
         """Stop capturing (the engine's own `run` again)."""
-        self.engine.programs.run = self._orig
+        self.engine.programs.run = self._orig  # type: ignore[method-assign]  # undoes the wrapper
 
     def time(self, iters: int) -> float:
         if self.captured is None:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.monitoring
 
+from metrale_jax import runtime_env
+
 
 @dataclasses.dataclass
 class Stats:
@@ -74,8 +76,9 @@ def back_to_back(block_a: Callable[[], Sequence[float]], block_b: Callable[[], S
     Stats B over every call, Stats of the per-round ratios of the block medians A/B).
 
     NOTE: `paired` puts the other side's call between two calls of a side, so every call starts
-    after an idle gap of the other's length; on this VM a 1.5 ms step costs 0.5-1.5 ms more after
-    an 8 ms sleep (benchmarks/README). Blocks measure what a serving loop sees: steps back to back.
+    after an idle gap of the other's length, and a step after an idle gap is slower (the core
+    and its caches go cold; the `gap` section shows it). Blocks measure what a serving loop
+    sees: steps back to back.
     """
     ta, tb, ratios = [], [], []
     for i in range(rounds):
@@ -103,7 +106,7 @@ def machine_info() -> dict:
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
         "jax_cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "hf_cpu": os.environ.get("METRALE_BENCH_HF_CPU"),
+        "hf_cpu": os.environ.get(runtime_env.SIBLING_CPU),
         "load_average_1_5_15": load_average(),
         "python": platform.python_version(),
         "jax": jax.__version__,

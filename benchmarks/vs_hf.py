@@ -22,6 +22,7 @@ runs every expert on every row (see `metrale_jax.model.mlp.moe`); HF's runs only
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -125,15 +126,15 @@ def run(
             device_s = dev.time(max(repeats, 1))
             case = HFCase(kind, n, t, js, hs, rs, jb, hb, rb, jax_first, device_s, diff, scale)
             _log(
-                f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}; back to back "
-                f"jax {jb.ms()} ms, hf {hb.ms()} ms; |dlogit| {diff:.1e}"
+                f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}; "
+                f"back to back jax {jb.ms()} ms, hf {hb.ms()} ms; |dlogit| {diff:.1e}"
             )
             cases.append(case)
 
         base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len)
         for t in prefill_lens:
             toks = rand(t)
-            pair("prefill", 1, t, base, lambda: base.prefill(toks), dict(op="prefill", tokens=toks))
+            pair("prefill", 1, t, base, functools.partial(base.prefill, toks), dict(op="prefill", tokens=toks))
 
         prompts = {n: rand(n, ctx) for n in ns}
         for n in ns:
@@ -145,7 +146,7 @@ def run(
                 n,
                 1,
                 base,
-                lambda: base.decode(f"n{n}", step),
+                functools.partial(base.decode, f"n{n}", step),
                 dict(op="step", context=f"n{n}", tokens=[[x] for x in step]),
             )
             base.free_context(f"n{n}")
@@ -169,7 +170,7 @@ def run(
                     n,
                     k,
                     spec,
-                    lambda: spec.verify(f"n{n}", rows),
+                    functools.partial(spec.verify, f"n{n}", rows),
                     dict(op="step", context=f"n{n}", tokens=rows),
                 )
                 spec.free_context(f"n{n}")

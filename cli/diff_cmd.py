@@ -20,24 +20,16 @@ from pathlib import Path
 
 import click
 
-from metrale_jax.diff import Bar, DiffRequest, DiffRequestError, default_variants, render_summary, run_diff, to_json
+from metrale_jax.diff import Bar, DiffRequest, default_variants, render_summary, run_diff, to_json
 from metrale_jax.diff.variants import known_labels
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import EngineError
-from metrale_jax.engine.settings import (
-    Behavior,
-    BehaviorError,
-    SettingsError,
-    pop_serve_raw,
-    resolve_settings,
-    serve_options,
-)
+from metrale_jax.engine.settings import resolve_settings
 from metrale_jax.presets import resolve_checkpoint
-from metrale_jax_cli.errors import UsageError, register_user_error, user_errors
-
-for _error in (DiffRequestError, SettingsError, BehaviorError):
-    register_user_error(_error)
+from metrale_jax_cli.errors import UsageError, user_errors
+from metrale_jax_cli.model_toml import load_behavior
+from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
 SIZED_RULE = "diff: sized to what this diff runs"
 
@@ -54,10 +46,10 @@ def _ints(flag: str, text: str | None) -> tuple[int, ...]:
 
 def _settings(checkpoint: str, raw: dict, request: DiffRequest):
     """Resolve the serve flags, sizing the context and slots the user left unset."""
-    behavior = Behavior.load(Path(checkpoint) / "MODEL.toml") if os.path.isdir(checkpoint) else None
+    behavior = load_behavior(Path(checkpoint) / "MODEL.toml") if os.path.isdir(checkpoint) else None
     auto = min(request.slots_needed(), AUTO_MAX_SLOTS)
     settings = resolve_settings(raw, behavior, auto_slots=auto)
-    sized = {}
+    sized: dict[str, int | str] = {}
     if "max_seq_len" not in raw:
         sized["max_seq_len"] = -(-request.tokens_needed(settings.num_drafts) // 64) * 64
     if "max_batch_size" not in raw and settings.max_batch_size < request.slots_needed():

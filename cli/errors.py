@@ -1,40 +1,35 @@
-"""How every command reports a user error: one clear line on stderr and exit code 2, never a
-traceback. Owns the list of exception types that count as user errors."""
+"""How every command reports a user error: one clear line per problem on stderr and exit code 2,
+never a traceback.
+
+Owns `UsageError` (a bad combination of a command's own flags) and `user_errors`, the decorator
+every command wears. A user error is any `metrale_jax.errors.MetraleError`: each layer raises its
+own subclass, and no command registers anything.
+"""
 
 from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 
 import click
 
-from metrale_jax.checkpoint import CheckpointError
-from metrale_jax.config import ConfigError
+from metrale_jax.errors import MetraleError
 
 
-class UsageError(ValueError):
+class UsageError(MetraleError, ValueError):
     """A bad combination of flags or inputs detected by a command itself."""
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (CheckpointError, ConfigError, UsageError)
-
-
-def register_user_error(exc_type: type[BaseException]) -> None:
-    """Let a subsystem (settings, recipes, engine) declare its own user-error type."""
-    global USER_ERRORS
-    if exc_type not in USER_ERRORS:
-        USER_ERRORS = USER_ERRORS + (exc_type,)
-
-
-def user_errors(fn):
-    """Decorator: user errors -> `error: <message>` on stderr and exit 2."""
+def user_errors[**P, R](fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: a `MetraleError` becomes one `error: <line>` on stderr per message, then exit 2."""
 
     @functools.wraps(fn)
-    def wrapper(*a, **kw):
+    def wrapper(*a: P.args, **kw: P.kwargs) -> R:
         try:
             return fn(*a, **kw)
-        except USER_ERRORS as e:
-            for line in getattr(e, "messages", None) or [str(e)]:
+        except MetraleError as e:
+            for line in e.messages:
                 click.echo(f"error: {line}", err=True)
             sys.exit(2)
 

@@ -19,17 +19,14 @@ import time
 import click
 
 from metrale_jax.engine.engine import Engine
-from metrale_jax.engine.sequences import EngineError
-from metrale_jax.engine.settings import SettingsError, pop_serve_raw, resolve_settings, serve_options
+from metrale_jax.engine.settings import resolve_settings
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax.presets_data import PRESET_DIRS
 from metrale_jax.research import Run
-from metrale_jax.tokenizer import TokenizerError, tokenizer_for
-from metrale_jax_cli.errors import UsageError, register_user_error, user_errors
-
-for _error in (SettingsError, EngineError, TokenizerError):
-    register_user_error(_error)
+from metrale_jax.tokenizer import tokenizer_for
+from metrale_jax_cli.errors import UsageError, user_errors
+from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
 
 def _acceptance_lines(run: Run) -> list[str]:
@@ -37,7 +34,8 @@ def _acceptance_lines(run: Run) -> list[str]:
     lines = [
         f"verify steps: {s['steps']} after the prefill ({s['mean_accepted_length']:.2f} tokens and "
         f"{s['mean_drafted']:.2f} drafts per verify)",
-        f"drafts accepted: {run.accepted.sum()}/{run.drafted.sum()}; tokens per verify row {s['tokens_per_verify_row']:.2f}",
+        f"drafts accepted: {run.accepted.sum()}/{run.drafted.sum()}; "
+        f"tokens per verify row {s['tokens_per_verify_row']:.2f}",
     ]
     by_pos = [
         f"{j + 1}: {a:.2f} ({int(run.accepted_at[:, j].sum())}/{int((run.drafted > j).sum())})"

@@ -17,9 +17,11 @@ from metrale_jax_cli.errors import UsageError, user_errors
 def _parse_tokens(tokens: str | None, tokens_file: str | None, vocab: int) -> list[int]:
     if (tokens is None) == (tokens_file is None):
         raise UsageError("give exactly one of --tokens and --tokens-file")
-    text = tokens if tokens is not None else open(tokens_file).read()
+    if tokens_file is not None:
+        with open(tokens_file) as f:
+            tokens = f.read()
     try:
-        out = [int(t) for t in text.replace(",", " ").split()]
+        out = [int(t) for t in (tokens or "").replace(",", " ").split()]
     except ValueError:
         raise UsageError("tokens must be integers separated by commas or whitespace") from None
     if not out:

@@ -1,13 +1,14 @@
-"""The `metrale-jax` command group. Owns only the wiring of subcommands."""
+"""The `metrale-jax` command group. Owns only the wiring of subcommands.
+
+Invariant: the thread environment (`metrale_jax.runtime_env.prepare`) is set before any
+subcommand module, and so jax, is imported.
+"""
 
 from __future__ import annotations
 
-import os
+from metrale_jax import runtime_env
 
-# NOTE: the xla forward's GDN chunk calls LAPACK's triangular solve, which runs on OpenBLAS's
-# thread pool; on a loaded small machine that pool stalls prefill 10-20x (128 tokens: 134 ms vs
-# 7.8 ms). One thread is what XLA's own CPU ops already use per op here. Set before jax loads.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+runtime_env.prepare()
 
 import click  # noqa: E402
 

@@ -4,25 +4,19 @@ Owns only argument handling and the order of the steps; the counts are the engin
 (`capacity`), the bytes the allocator's (`pool.allocate_pool`, traced abstractly), the
 activations XLA's memory analysis of the engine's step programs compiled for this machine's
 backend (cached on disk; `--no-activations` skips them), the settings the serve's own
-(`recipes` + `serve_options` + `resolve_settings`).
+(`recipes` + `serve_flags.parse_serve_argv` + MODEL.toml + `resolve_settings`).
 
 Invariant: every user error prints one line per problem (`error: ...`) on stderr and exits 2.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
-from metrale_jax.engine.settings import (
-    BehaviorError,
-    Provenance,
-    SettingsError,
-    resolve_settings,
-)
+from metrale_jax.engine.settings import Provenance, resolve_settings
 from metrale_jax.memory.activations import ActivationModel
 from metrale_jax.memory.advice import concurrency_answer, isl_answer, warnings_for
 from metrale_jax.memory.devices import find_device
@@ -32,11 +26,10 @@ from metrale_jax.memory.report import Report, render_json, render_text
 from metrale_jax.memory.source import resolve_model
 from metrale_jax.memory.weights import outside_bytes, weight_terms
 from metrale_jax.presets import parse_dtype
-from metrale_jax.recipes import REPO_RECIPES_DIR, RecipeError, parse_serve_argv, serve_argv
-from metrale_jax_cli.errors import register_user_error, user_errors
-
-for _error in (SettingsError, RecipeError, BehaviorError, PlanError):
-    register_user_error(_error)
+from metrale_jax.recipes import REPO_RECIPES_DIR, serve_argv
+from metrale_jax_cli.errors import user_errors
+from metrale_jax_cli.model_toml import load_behavior
+from metrale_jax_cli.serve_flags import parse_serve_argv
 
 
 def _parse_slots(text: str | None) -> int | str | None:
@@ -61,14 +54,15 @@ def plan(
     engine_flags: tuple[str, ...],
     activations: bool = True,
 ) -> Report:
-    """Resolve everything the command names and evaluate it. Raises the user-error types.
+    """Resolve everything the command names and evaluate it. Raises `MetraleError` subclasses.
     `activations=False` skips compiling the step programs (no activation term is charged)."""
     dev = find_device(device)
     slots_arg = _parse_slots(slots)
     source = resolve_model(checkpoint, root)
     argv = serve_argv(root, source.id, recipe, engine_flags)
     _, raw = parse_serve_argv(argv)
-    settings = resolve_settings(raw, source.behavior, auto_slots=min(concurrency, AUTO_MAX_SLOTS))
+    behavior = load_behavior(source.model_toml)
+    settings = resolve_settings(raw, behavior, auto_slots=min(concurrency, AUTO_MAX_SLOTS))
     served = parse_dtype(dtype or source.dtype)
     model = ActivationModel(source.config, served) if activations else None
     planner = Planner(
@@ -97,7 +91,7 @@ def plan(
             if source.bindings
             else f"shapes of init_params, {dtype or source.dtype}"
         ),
-        behavior_from=source.behavior.source,
+        behavior_from=behavior.source,
         outside_bytes=outside_bytes(source),
         recipe=recipe,
         serve_flags=tuple(argv[1:]),
@@ -160,22 +154,17 @@ def memory(
     CONCURRENCY, the step programs' activations (XLA's memory analysis, compiled for this
     machine's backend), the verdict against DEVICE's budget, and the largest concurrency and ISL
     that fit. Serve flags after `--` override the recipe's (e.g. `-- --speculative --num-drafts 3`)."""
-    try:
-        report = plan(
-            checkpoint,
-            device,
-            isl,
-            osl,
-            concurrency,
-            recipe,
-            slots,
-            dtype,
-            root,
-            engine_flags,
-            activations=not no_activations,
-        )
-    except SettingsError as e:
-        for message in e.messages:
-            click.echo(f"error: {message}", err=True)
-        sys.exit(2)
+    report = plan(
+        checkpoint,
+        device,
+        isl,
+        osl,
+        concurrency,
+        recipe,
+        slots,
+        dtype,
+        root,
+        engine_flags,
+        activations=not no_activations,
+    )
     click.echo(render_json(report) if as_json else render_text(report), nl=False)

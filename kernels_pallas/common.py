@@ -1,11 +1,10 @@
-"""Pieces every Pallas kernel of this package shares: the interpret switch, the backend names the
-`*_supported` checks speak, the Triton shape rules, the one reduction whose form differs between
-the CPU interpreter and Triton, and the "bounded" contract's allowance.
+"""Pieces every Pallas kernel of this package shares: the interpret switch, the backend and
+implementation names the `api` modules speak, the Triton shape rules, the one matvec whose form
+differs between the CPU interpreter and Triton, and the "bounded" contract's allowance.
 
 Owns: what "interpret" means here (the Pallas interpreter; the default whenever the default
-backend is not a GPU), which GPU shape rules a kernel must satisfy before it is lowered,
-`contract_bound`, and `pairwise_sum` (the shape-invariant sum the attention kernel's interpreted
-body, its reference and the model's norms and softmaxes use).
+backend is not a GPU), the mode aliases (`Backend`, `Implementation`, `MatvecForm`), which GPU
+shape rules a kernel must satisfy before it is lowered, `contract_bound`, and `KernelRefused`.
 
 Invariants:
 - A kernel body is the same code on both backends, except for the forms picked from the interpret
@@ -23,8 +22,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("interpret", "gpu")
-MatvecForm = Literal["dot", "reduce"]
+Backend = Literal["interpret", "gpu"]
+BACKENDS: tuple[Backend, ...] = ("interpret", "gpu")
+Implementation = Literal["pallas", "reference"]  # an `api` entry point's choice: the kernel or its reference
+IMPLEMENTATIONS: tuple[Implementation, ...] = ("pallas", "reference")
+MatvecForm = Literal["dot", "reduce"]  # see `matvec_form`
 
 
 def default_interpret() -> bool:
@@ -32,33 +34,14 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-IMPLEMENTATIONS = ("pallas", "reference")
-
-
-def pairwise_sum(x):
-    """Sum over the last axis as a pairwise tree of elementwise adds (first half + second half;
-    the length is zero-padded to a power of two).
-
-    NOTE: not `jnp.sum`: XLA CPU sums an axis in an order that depends on the array's shape and on
-    what the reduction is fused with (arrays of 4096+ elements go to YNNPACK, smaller ones are
-    split into windows of 32), so the same row summed in a [M, tile] kernel block and in a
-    [B, KV, M, tile] batch, or normalised in two programs that fuse its producer differently,
-    differs in the last bit. Elementwise adds round alike at any shape and in any fusion.
-    """
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
-
-
 def check_implementation(implementation: str) -> None:
+    """Raise ValueError unless `implementation` is one of `IMPLEMENTATIONS`."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
 
 
-def backend_of(interpret: bool) -> str:
+def backend_of(interpret: bool) -> Backend:
+    """The backend name a kernel run with this interpret switch lowers for."""
     return "interpret" if interpret else "gpu"
 
 

@@ -1,27 +1,105 @@
-"""`PallasOps`: the `pallas` forward's implementations of the four stateful ops the trunk calls
-(`metrale_jax.model.state_io.ReferenceOps` is the `xla` twin with the same methods).
+"""The ops objects: the four stateful ops the trunk calls, as one protocol (`Ops`) and its two
+implementations, `ReferenceOps` (the `xla` forward: the kernels' jnp reference twins) and
+`PallasOps` (the `pallas` forward: the Pallas kernels, with the reference as fallback).
 
-Owns: the fallback policy. Each method asks its op's `*_supported` check first; a refusal runs the
+Owns: the ops contract (`Ops`), the names of the forwards (`Forward`), and the `pallas` forward's
+fallback policy. Each `PallasOps` method asks its op's `*_supported` check first; a refusal runs the
 reference instead, and the reason is recorded (and warned about once) so the engine can disclose
 which ops did not run as kernels. Nothing else falls back: a kernel that accepts its arguments and
 then fails raises.
 
 Invariants:
+- Both implementations have the same methods with the same parameters, and return the same shapes
+  and dtypes; under the Pallas interpreter their GDN and attention results are byte-equal.
 - Refusals depend only on shapes, dtypes and the backend, and are decided while a forward is
-  traced; `refusals()` therefore lists every refusal of every forward traced in this process.
-- `write_kv` is the reference scatter by design (see `kernels_pallas.paged_attention.api`), not a
+  traced; `PallasOps.refusals()` therefore lists every refusal of every forward traced in this process.
+- `write_kv` is the reference scatter in both (see `kernels_pallas.paged_attention.api`), not a
   refusal, and is not recorded.
-- The dataclass is frozen and hashable: it is a static argument of jitted forwards.
+- The ops objects are frozen, hashable dataclasses: they are static arguments of jitted forwards,
+  and `name` is what program caches and disclosures key on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Literal, Protocol
+
+import jax
 
 from kernels_pallas import common
 from kernels_pallas.gdn import api as gdn_api
+from kernels_pallas.gdn import reference as gdn_ref
 from kernels_pallas.paged_attention import api as attn_api
+from kernels_pallas.paged_attention import reference as attn_ref
+
+Forward = Literal["xla", "pallas"]  # the forwards: ReferenceOps' name and PallasOps'
+
+
+class Ops(Protocol):
+    """The stateful ops of the trunk (B sequences, T rows each; Hk key heads, H value heads, dk, dv
+    the GDN key / value dims; KV kv heads, D head dim, NB blocks of bs rows in the KV pool).
+
+    GDN (the delta rule, `kernels_pallas.gdn.reference`): q, k [B, T, Hk, dk] f32 (L2-normalised, q
+    scaled by dk**-0.5); v [B, T, H, dv] f32; g [B, T, H] f32 log-decay (<= 0); beta [B, T, H] f32;
+    h0 [B, H, dk, dv] f32 initial state. A row with k = beta = g = 0 leaves the state unchanged.
+
+    Attention (`kernels_pallas.paged_attention.reference`): k_cache, v_cache [NB, bs, KV, D], or
+    with `layer` (int32 scalar, may be traced) the stacked [L, NB, bs, KV, D] used at that layer;
+    block_tables [B, MB] int32; positions [B, T] int32 (< 0 = padding row).
+    """
+
+    @property
+    def name(self) -> str:
+        """The forward's name (a `Forward`, or a variant's own name); program caches key on it."""
+        ...
+
+    def gdn_chunk(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
+        """Chunked prefill: (o [B, T, H, dv] f32, final_state [B, H, dk, dv] f32)."""
+        ...
+
+    def gdn_rows(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
+        """Row-by-row recurrence: (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32), states[:, t]
+        the state after row t."""
+        ...
+
+    def write_kv(
+        self, k_cache, v_cache, k, v, block_tables, positions, null_block: int, layer=None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The new (k_cache, v_cache) with rows k, v [B, T, KV, D] written at their positions (cast to
+        the cache dtype); padding rows write `null_block`. The caches are donated by the programs."""
+        ...
+
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale: float, layer=None) -> jax.Array:
+        """Causal GQA attention of q [B, T, H, D] over keys 0..position of the own sequence:
+        [B, T, H, D] in q's dtype; padding rows are zeros."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceOps:
+    """The `xla` forward: the kernels' jnp reference twins (`gdn.reference`, `paged_attention.reference`)."""
+
+    name: str = "xla"
+
+    def gdn_chunk(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
+        """`Ops.gdn_chunk`: `gdn.reference.chunk_gated_delta_rule`."""
+        return gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, h0)
+
+    def gdn_rows(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
+        """`Ops.gdn_rows`: `gdn.reference.recurrent_gated_delta_rule`."""
+        return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, h0)
+
+    def write_kv(
+        self, k_cache, v_cache, k, v, block_tables, positions, null_block: int, layer=None
+    ) -> tuple[jax.Array, jax.Array]:
+        """`Ops.write_kv`: `paged_attention.reference.write_kv`."""
+        return attn_ref.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block, layer)
+
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale: float, layer=None) -> jax.Array:
+        """`Ops.attention`: `paged_attention.reference.paged_attention`."""
+        return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, layer)
+
 
 _REFUSALS: dict[tuple[str, str], None] = {}  # (op, reason), insertion-ordered
 
@@ -38,13 +116,15 @@ def _refused(op: str, reason: str | None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class PallasOps:
-    """The kernels' forward. interpret: run the Pallas interpreter (the default off GPU)."""
+    """The `pallas` forward: the Pallas kernels, each falling back to its reference when its
+    `*_supported` check refuses the arguments. interpret: run the Pallas interpreter (the default
+    off GPU)."""
 
     name: str = "pallas"
     interpret: bool = dataclasses.field(default_factory=common.default_interpret)
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> common.Backend:
         return common.backend_of(self.interpret)
 
     @staticmethod
@@ -52,27 +132,29 @@ class PallasOps:
         """Every recorded refusal, one "op: reason" line each, oldest first."""
         return tuple(f"{op}: {reason}" for op, reason in _REFUSALS)
 
-    def gdn_chunk(self, q, k, v, g, beta, h0):
-        """(o [B, T, H, dv] f32, final_state [B, H, dk, dv] f32); see `gdn.api.chunk_gated_delta_rule`."""
+    def gdn_chunk(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
+        """`Ops.gdn_chunk`: `gdn.api.chunk_gated_delta_rule`."""
         args = (q, k, v, g, beta, h0)
         if _refused("gdn_chunk", gdn_api.gdn_chunk_supported(*args, backend=self.backend)):
             return gdn_api.chunk_gated_delta_rule(*args, implementation="reference")
         return gdn_api.chunk_gated_delta_rule(*args, interpret=self.interpret)
 
-    def gdn_rows(self, q, k, v, g, beta, h0):
-        """(o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32); see `gdn.api.recurrent_gated_delta_rule`."""
+    def gdn_rows(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
+        """`Ops.gdn_rows`: `gdn.api.recurrent_gated_delta_rule`."""
         args = (q, k, v, g, beta, h0)
         if _refused("gdn_rows", gdn_api.gdn_rows_supported(*args, backend=self.backend)):
             return gdn_api.recurrent_gated_delta_rule(*args, implementation="reference")
         return gdn_api.recurrent_gated_delta_rule(*args, interpret=self.interpret)
 
-    def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block, layer=None):
-        """The new (k_cache, v_cache); the reference scatter on every backend."""
+    def write_kv(
+        self, k_cache, v_cache, k, v, block_tables, positions, null_block: int, layer=None
+    ) -> tuple[jax.Array, jax.Array]:
+        """`Ops.write_kv`: the reference scatter on every backend."""
         return attn_api.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block, layer)
 
-    def attention(self, q, k_cache, v_cache, block_tables, positions, scale, layer=None):
-        """[B, T, H, D] in q's dtype; see `paged_attention.api.paged_attention`. With `layer`, the
-        caches are stacked [L, NB, ...] and the kernel gets that layer's slice.
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale: float, layer=None) -> jax.Array:
+        """`Ops.attention`: `paged_attention.api.paged_attention`. With `layer`, the kernel gets
+        that layer's slice of the stacked caches.
         NOTE: the kernel addresses one layer's cache (its offsets are int32), so the slice is taken
         here; XLA may materialise it (a per-step copy of the layer's KV the reference avoids)."""
         if layer is not None:

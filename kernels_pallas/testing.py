@@ -3,7 +3,8 @@
 
 Owns: what a "random input" of each op is (never zeros: the L2-normalised q/k, negative log-decays,
 betas in (0, 1), ragged and padded batches, non-contiguous block tables), the oracles the
-"bounded" contracts are measured against, and the error metric.
+"bounded" contracts are measured against, the error metric, and `assert_contract`: which of a
+kernel's two contracts a test checks (byte-equal when interpreted, bounded when compiled).
 
 Invariants: the oracles compute the references' math in float64 from the very same (already
 rounded) inputs, with no intermediate rounding; inputs are numpy arrays, deterministic in the rng.
@@ -11,13 +12,39 @@ rounded) inputs, with no intermediate rounding; inputs are numpy arrays, determi
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
+
+from kernels_pallas import common
 
 
 def rel_err(x, oracle) -> float:
     """max |x - oracle| / max |oracle| (float64)."""
     oracle = np.asarray(oracle, np.float64)
     return float(np.abs(np.asarray(x, np.float64) - oracle).max() / np.abs(oracle).max())
+
+
+def assert_contract(
+    out,
+    ref,
+    oracle: Callable[[], np.ndarray],
+    *,
+    interpret: bool,
+    assert_equal: Callable[[np.ndarray, np.ndarray], None] = np.testing.assert_array_equal,
+) -> None:
+    """A kernel output `out` against its reference's `ref`: under the interpreter they are equal
+    (`assert_equal`); compiled through Triton, out's `rel_err` against the float64 oracle is within
+    `common.contract_bound` of the reference's. `oracle()` (the oracle's matching output) runs only
+    when compiled."""
+    out, ref = np.asarray(out), np.asarray(ref)
+    if interpret:
+        assert_equal(out, ref)
+        return
+    o64 = oracle()
+    err, err_ref = rel_err(out, o64), rel_err(ref, o64)
+    assert err <= common.contract_bound(err_ref, out.dtype), (err, err_ref)
 
 
 # ---------------------------------------------------------------- Gated DeltaNet
@@ -65,6 +92,14 @@ def gdn_oracle(q, k, v, g, beta, h0):
         outs.append(np.einsum("bhkv,bhk->bhv", s, q[:, t]))
         states.append(s)
     return np.stack(outs, 1), np.stack(states, 1)
+
+
+def gdn_oracles(args, *, chunk: bool) -> tuple[Callable[[], np.ndarray], Callable[[], np.ndarray]]:
+    """The float64 oracle's outputs for `args` matching a kernel's, as `assert_contract` takes them:
+    thunks of (o, final state) for the chunk form (`chunk`) or (o, states) for the rows form. The
+    oracle runs once, at the first call."""
+    oracle = functools.cache(lambda: gdn_oracle(*args))
+    return (lambda: oracle()[0], lambda: oracle()[1][:, -1] if chunk else oracle()[1])
 
 
 # ---------------------------------------------------------------- paged attention

@@ -30,10 +30,11 @@ import ml_dtypes
 import numpy as np
 
 from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
+from metrale_jax.errors import MetraleError
 from metrale_jax.params import attn_in_rows, dense_in_rows, gdn_in_rows, moe_in_rows, param_specs
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MetraleError, ValueError):
     """A checkpoint that cannot be loaded; the message lists every problem found."""
 
 
@@ -154,8 +155,8 @@ def index_checkpoint(directory: str) -> dict[str, TensorRef]:
     if not files:
         raise CheckpointError(f"{directory}: no model.safetensors, index or *.safetensors file")
     refs = {}
-    for f in files:
-        refs.update(read_header(os.path.join(directory, f)))
+    for name in files:
+        refs.update(read_header(os.path.join(directory, name)))
     return refs
 
 
@@ -289,12 +290,12 @@ def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind
     if "shared_down" in m:
         e, two_i, _ = m["gate_up"].shape
         i = two_i // 2
-        names = [
+        names: tuple[str, ...] = (
             f"{pm}.gate.weight",
             f"{pm}.shared_expert.gate_proj.weight",
             f"{pm}.shared_expert.up_proj.weight",
             f"{pm}.shared_expert_gate.weight",
-        ]
+        )
         out.append(_stacked(mp + ("w_in",), names, [(r, hd) for r in moe_in_rows(cfg)]))
         if fused_experts:
             out.append(_one(mp + ("gate_up",), f"{pm}.experts.gate_up_proj", (e, two_i, hd)))
@@ -306,8 +307,8 @@ def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind
                     mp + ("gate_up",),
                     names,
                     ((i, hd),) * (2 * e),
-                    lambda a, e=e: np.stack([np.concatenate([a[2 * x], a[2 * x + 1]]) for x in range(e)]),
-                    lambda w, i=i: [part for x in w for part in (x[:i], x[i:])],
+                    lambda a: np.stack([np.concatenate([a[2 * x], a[2 * x + 1]]) for x in range(e)]),
+                    lambda w: [part for x in w for part in (x[:i], x[i:])],
                 )
             )
             names = tuple(f"{pm}.experts.{x}.down_proj.weight" for x in range(e))

@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from metrale_jax.errors import MetraleError
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
@@ -26,7 +28,7 @@ _SUPPORTED = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
-class ConfigError(ValueError):
+class ConfigError(MetraleError, ValueError):
     """A config.json that does not describe a model this package can run."""
 
 
@@ -199,7 +201,7 @@ def from_hf_dict(raw: Mapping[str, Any]) -> ModelConfig:
     if mt in _WRAPPERS:
         if "text_config" not in raw:
             raise ConfigError(f"config of model_type {mt!r} has no text_config")
-        d = dict(raw["text_config"])
+        d: dict[str, Any] = dict(raw["text_config"])
         d.setdefault("model_type", _WRAPPERS[mt])
         mt = d["model_type"]
         layout, prefix = "qwen3_5", "model.language_model"

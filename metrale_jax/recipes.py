@@ -1,8 +1,9 @@
-"""Serve recipes: `recipes/<family>/<stem>.yaml` → a serve argv → raw serve settings.
+"""Serve recipes: `recipes/<family>/<stem>.yaml` → a serve argv.
 
 Owns: the recipe schema (parse and validate), rendering a recipe's `defaults` as serve flags,
-run-time flag overrides (`override_flags`), and parsing a final argv with the same Click option
-set the engine's commands use (`metrale_jax.engine.settings.serve_options`).
+and run-time flag overrides (`override_flags`, `serve_argv`). The final argv is parsed by the
+CLI's serve options (`metrale_jax_cli.serve_flags.parse_serve_argv`); the flags a recipe may
+name are those of `metrale_jax.engine.settings.SERVE_FLAGS`.
 
 Invariants:
 - A recipe is refused whole: unknown top-level keys, missing required keys, non-scalar
@@ -12,23 +13,21 @@ Invariants:
   `--tp-size`, `host` → `--bind`. A boolean renders as the bare flag (true) or nothing (false).
 - Overrides: a flag named after `--` removes the recipe's occurrence (with its value, unless
   written `--flag=v` or followed by another flag), then the extra flags are appended.
-- Every problem surfaces as `RecipeError` (recipe files) or `SettingsError` (serve flags), one
-  line per problem.
+- Every problem with a recipe file surfaces as `RecipeError`, one line per problem.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import click
 import yaml
 
-from metrale_jax.engine.settings import SettingsError, pop_serve_raw, serve_options
+from metrale_jax.engine.settings import SERVE_FLAGS
+from metrale_jax.errors import MetraleError
 
 #: The repository's own recipes (the `--root` default of the commands that read recipes).
 REPO_RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -55,7 +54,7 @@ _KEY_TO_FLAG = {"max_model_len": "--max-seq-len", "tensor_parallel": "--tp-size"
 Scalar = str | int | float | bool
 
 
-class RecipeError(ValueError):
+class RecipeError(MetraleError, ValueError):
     """A recipe that cannot be found, read, validated or rendered (one clear line)."""
 
 
@@ -75,21 +74,9 @@ class Recipe:
     env: tuple[tuple[str, str], ...]
 
 
-@functools.cache
-def _serve_command() -> click.Command:
-    """`serve MODEL [serve flags]`, built from `serve_options`; only ever parsed, never invoked."""
-    return click.command("serve")(click.argument("model")(serve_options(lambda **_: None)))
-
-
-@functools.cache
-def _flag_kinds() -> dict[str, bool]:
-    """Every serve flag spelling (`--x`) → whether it is a presence-only boolean."""
-    kinds: dict[str, bool] = {}
-    for p in _serve_command().params:
-        if isinstance(p, click.Option):
-            for opt in (*p.opts, *p.secondary_opts):
-                kinds[opt] = p.is_flag
-    return kinds
+#: Every serve flag spelling (`--x`, and the negative one of a boolean) → whether it is a
+#: presence-only boolean.
+_FLAG_KINDS: dict[str, bool] = {spelling: flag.type is bool for flag in SERVE_FLAGS for spelling in flag.spellings}
 
 
 def flag_for_key(key: str) -> str:
@@ -182,15 +169,14 @@ def _defaults(where: str, value: Any) -> tuple[tuple[str, Scalar], ...]:
     """Validate `defaults`: scalar values, known flags, presence-only booleans."""
     if not isinstance(value, dict):
         raise RecipeError(f"{where}: defaults must be a mapping of serve flags")
-    kinds = _flag_kinds()
     out: list[tuple[str, Scalar]] = []
     for key, v in value.items():
         if not isinstance(key, str):
             raise RecipeError(f"{where}: defaults key {key!r} must be a string")
         flag = flag_for_key(key)
-        if flag not in kinds:
+        if flag not in _FLAG_KINDS:
             raise RecipeError(f"{where}: defaults.{key} ({flag}) is not a metrale-jax serve flag")
-        if kinds[flag]:
+        if _FLAG_KINDS[flag]:
             if not isinstance(v, bool):
                 raise RecipeError(f"{where}: defaults.{key} is a presence-only flag; write true or false, not {v!r}")
         elif isinstance(v, bool) or not isinstance(v, (str, int, float)):
@@ -255,21 +241,6 @@ def override_flags(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
             continue
         out.append(tok)
     return out + list(extra)
-
-
-def parse_serve_argv(argv: Sequence[str]) -> tuple[str, dict[str, Any]]:
-    """Parse `[model, serve flags...]` with the serve option set: `(model, raw settings)`.
-
-    The raw settings (only the flags the argv gives) go to `resolve_settings`. A flag Click refuses (unknown, missing value,
-    bad integer) raises SettingsError with Click's message.
-    """
-    try:
-        ctx = _serve_command().make_context("metrale-jax serve", list(argv))
-    except click.ClickException as e:
-        raise SettingsError([f"serve flags: {e.format_message()}"]) from None
-    params = dict(ctx.params)
-    model = params.pop("model")
-    return model, pop_serve_raw(ctx, params)
 
 
 def serve_argv(recipes_dir: Path, checkpoint: str, recipe_id: str | None, extra: Sequence[str]) -> list[str]:

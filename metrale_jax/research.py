@@ -29,9 +29,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine.capacity import DEFAULT_K_LADDER, KLadder, parse_k_ladder
+from metrale_jax.engine.capacity import DEFAULT_K_LADDER, KLadder
 from metrale_jax.engine.engine import Engine
-from metrale_jax.engine.settings import resolve_settings
+from metrale_jax.engine.settings import parse_k_ladder, resolve_settings
 from metrale_jax.engine.speculative import DraftSchedule, GenerationResult, greedy_generate, speculative_generate
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax.presets_data import PRESET_DIRS

@@ -18,12 +18,14 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
+from metrale_jax.errors import MetraleError
+
 TOKENIZER_FILE = "tokenizer.json"
 #: The end-of-text token separating documents in training data.
 END_OF_TEXT = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MetraleError, ValueError):
     """A tokenizer file that cannot be read, or a checkpoint without a usable tokenizer."""
 
 

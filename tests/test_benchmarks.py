@@ -1,4 +1,4 @@
-"""The benchmark harness (`python -m benchmarks`, issue #8) in its `--smoke` mode: every section
+"""The benchmark harness (`python -m benchmarks`) in its `--smoke` mode: every section
 runs end to end at tiny sizes with one repeat, the tables and the JSON come out, and the
 benchmark's own verify-loop driver compiles nothing after its warm-up (scan and unrolled).
 
@@ -153,8 +153,7 @@ def test_step_bytes_of_the_real_qwen35_stack():
 
 def test_hf_section_is_skipped_with_a_reason_when_its_venv_is_absent(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_VENV", str(tmp_path / "no-venv"))
-    a = cli.parser().parse_args(["--smoke", "--no-hf-setup"])
-    out = cli._section("hf", cli._resolve(a), a)
+    out = cli._section("hf", cli._resolve(cli.parse(["--smoke", "--no-hf-setup"])))
     assert "not ready" in out["skipped"] and "make_hf_fixtures.sh" in out["skipped"]
 
 
@@ -235,5 +234,24 @@ def test_hf_table_marks_cases_whose_logits_differ():
         "hf": hf,
         "cases": [dict(case, max_abs_diff=2e-5), dict(case, max_abs_diff=4.2)],
     }
-    rows = [line for line in report.hf_table(run).splitlines() if line.startswith("verify")]
+    rows = [line for line in report.hf_table(run).text().splitlines() if line.startswith("verify")]
     assert len(rows) == 2 and "LOGITS DIFFER" not in rows[0] and "LOGITS DIFFER" in rows[1]
+
+
+def test_notes_replace_only_the_results_section_and_need_both_markers(tmp_path):
+    notes = tmp_path / "NOTES.md"
+    head, tail = "# Notes\n\nkept above\n", "kept below\n"
+    notes.write_text(f"{head}{report.NOTES_BEGIN}\nold results\n{report.NOTES_END}\n{tail}")
+    table = report.Table("Slots: a title", notes=("a note",), grids=(report.Grid(("slots", "ms"), [("8", "1.5")]),))
+    report.write_notes(str(notes), report.notes_markdown("python -m benchmarks", "machine: m", [table]))
+    text = notes.read_text()
+    assert text.startswith(f"{head}{report.NOTES_BEGIN}\n") and text.endswith(f"{report.NOTES_END}\n{tail}")
+    assert "old results" not in text and "| slots | ms |" in text and "| 8 | 1.5 |" in text and "machine: m" in text
+    report.write_notes(str(notes), "new body")
+    assert notes.read_text() == f"{head}{report.NOTES_BEGIN}\nnew body\n{report.NOTES_END}\n{tail}"
+    bare = tmp_path / "BARE.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(ValueError, match="bench:results:begin"):
+        report.write_notes(str(bare), "x")
+    assert bare.read_text() == "no markers\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["BARE.md", "NOTES.md"]  # no temporary file left

@@ -1,4 +1,4 @@
-"""`metrale-jax diff`: the seed's unit cases, the comparison, the request checks, every mode on
+"""`metrale-jax diff`: the host-side rules' unit cases, the comparison, the request checks, every mode on
 the embedded model and on a fixture checkpoint, detection power against planted bugs, and the
 command's exit codes.
 
@@ -54,7 +54,7 @@ XLA_REPEAT = [Variant("xla-repeat", "xla")]
 MOE = os.path.join(FIXTURES, "hf", "qwen3_next_moe")
 
 
-# ---------------------------------------------------------------- the seed's unit cases
+# ---------------------------------------------------------------- the host-side rules' unit cases
 
 
 def test_shapes_cover_every_width_then_one_ragged_mix():

@@ -405,3 +405,19 @@ def test_speculative_equals_greedy_on_a_loaded_checkpoint():
         r = speculative_generate(eng, batch, 64, DraftSchedule(3, confidence_stop=-2.0))
         assert r.tokens == ref
     assert len({k for s in r.steps for k in s.ks}) > 1
+
+
+def test_program_digest_ignores_source_locations():
+    """The disclosed digest hashes the computation, not where it was traced from: one function
+    traced from two source lines gives one text; a different computation another."""
+    from metrale_jax.engine.programs import computation_text
+
+    def text(fn):
+        return jax.jit(fn).lower(jnp.ones(4)).compile().as_text()
+
+    a = lambda x: jnp.sin(x) * 2 + 1
+    b = lambda x: jnp.sin(x) * 2 + 1
+    c = lambda x: jnp.cos(x) * 2 + 1
+    assert text(a) != text(b)  # the raw text carries each lambda's line
+    assert computation_text(text(a)) == computation_text(text(b))
+    assert computation_text(text(a)) != computation_text(text(c))

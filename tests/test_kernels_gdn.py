@@ -1,10 +1,12 @@
-"""Gated DeltaNet kernels under the CPU interpreter against `kernels_pallas.gdn.reference`.
+"""Gated DeltaNet kernels against `kernels_pallas.gdn.reference`: under the Pallas interpreter off
+GPU, compiled through Triton on a GPU (`INTERPRET`), from the same test bodies.
 
-Claims: the two references agree (chunk vs recurrent, f32 <= 1e-5 relative); both kernels are
-byte-equal to their reference (the declared contract) on random, ragged (identity-row padded)
-batches, with and without an initial state, T on and off the chunk boundary, GVA ratios 1 and 2;
-the Triton body (multiply + sum matvecs) and narrow value tiles stay within the bounded allowance
-against the float64 oracle; every output element is written; refusals carry a reason.
+Claims: the two references agree (chunk vs recurrent, f32 <= 1e-5 relative); both kernels meet
+their contract (byte-equal to their reference under the interpreter, within the bounded allowance
+against the float64 oracle when compiled) on random, ragged (identity-row padded) batches, with and
+without an initial state, T on and off the chunk boundary, GVA ratios 1 and 2; the Triton body
+(multiply + sum matvecs) and narrow value tiles stay within the bounded allowance against the
+float64 oracle; every output element is written; refusals carry a reason.
 """
 
 import functools
@@ -20,6 +22,8 @@ from kernels_pallas.common import KernelRefused
 from kernels_pallas.gdn import api, pallas_gpu, reference
 
 DK, DV = 16, 32
+INTERPRET = common.default_interpret()  # the interpreter off GPU; compiled through Triton on a GPU
+BACKEND = common.backend_of(INTERPRET)
 ref_chunk = jax.jit(reference.chunk_gated_delta_rule)
 ref_rows = jax.jit(reference.recurrent_gated_delta_rule)
 
@@ -31,8 +35,11 @@ def _inputs(seed, b, t, hk, h, *, initial_state, lens=None):
 
 @functools.cache
 def _kernel(kind, block_v=None, matvec_as=None):
-    fn = pallas_gpu.chunk_gated_delta_rule if kind == "chunk" else pallas_gpu.recurrent_gated_delta_rule
-    return jax.jit(functools.partial(fn, block_v=block_v or DV, interpret=True, matvec_as=matvec_as))
+    if kind == "chunk":
+        fn, tiling = pallas_gpu.chunk_gated_delta_rule, pallas_gpu.ChunkTiling(block_v=block_v or DV)
+    else:
+        fn, tiling = pallas_gpu.recurrent_gated_delta_rule, pallas_gpu.RowsTiling(block_v=block_v or DV)
+    return jax.jit(functools.partial(fn, tiling=tiling, interpret=INTERPRET, matvec_as=matvec_as))
 
 
 def _assert_written(*xs):
@@ -41,7 +48,8 @@ def _assert_written(*xs):
 
 
 def test_interpreter_poisons_unwritten_outputs():
-    """The premise of `_assert_written`: the interpreter NaN-fills output buffers."""
+    """The premise of `_assert_written`: the interpreter NaN-fills output buffers (a property of
+    the interpreter, so this one runs interpreted on every backend)."""
 
     def half(x_ref, o_ref):
         o_ref[0] = x_ref[0]
@@ -75,15 +83,22 @@ def test_chunk_bit_identical_at_tiny_prefill_shape(t):
     kernel's x.T @ y here (B = 1 and dv = 16; 162-366 of 512 final-state elements), and only here
     among the shapes of this file (see the reference's NOTE)."""
     args = testing.gdn_inputs(np.random.default_rng(t), 1, t, 2, 4, 8, 16, initial_state=True)
+    if reason := api.gdn_chunk_supported(*args, backend=BACKEND, tiling=pallas_gpu.ChunkTiling(block_v=16)):
+        pytest.skip(reason)
     _assert_chunk_matches_reference(args, 16)
+
+
+def _assert_meets_contract(outs, refs, args, kind):
+    """Each kernel output against the reference's (`testing.assert_contract`)."""
+
+    for x, x_ref, x64 in zip(outs, refs, testing.gdn_oracles(args, chunk=kind == "chunk")):
+        testing.assert_contract(x, x_ref, x64, interpret=INTERPRET)
 
 
 def _assert_chunk_matches_reference(args, dv):
     o, final = _kernel("chunk", block_v=dv)(*args)
     _assert_written(o, final)
-    o_ref, final_ref = ref_chunk(*args)
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
-    np.testing.assert_array_equal(np.asarray(final), np.asarray(final_ref))
+    _assert_meets_contract((o, final), ref_chunk(*args), args, "chunk")
 
 
 @pytest.mark.parametrize("t", [1, 3, 4, 8])
@@ -95,9 +110,7 @@ def test_rows_bit_identical(t, hk, initial_state):
     args = _inputs(10 * t + hk, 3, t, hk, 2, initial_state=initial_state, lens=lens)
     o, states = _kernel("rows")(*args)
     _assert_written(o, states)
-    o_ref, states_ref = ref_rows(*args)
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
-    np.testing.assert_array_equal(np.asarray(states), np.asarray(states_ref))
+    _assert_meets_contract((o, states), ref_rows(*args), args, "rows")
     # Identity rows leave the state exactly as the last valid row left it.
     np.testing.assert_array_equal(np.asarray(states)[2], np.broadcast_to(args[5][2], states.shape[1:]))
 
@@ -161,7 +174,7 @@ def test_refusals_carry_reasons(kernel, kw, backend, needle):
 def test_refused_kernel_raises_and_reference_still_runs():
     args = _inputs(0, 1, 9, 1, 2, initial_state=True)
     with pytest.raises(KernelRefused, match="at most 8 rows"):
-        api.recurrent_gated_delta_rule(*args, interpret=True)
+        api.recurrent_gated_delta_rule(*args, interpret=INTERPRET)
     o, _ = api.recurrent_gated_delta_rule(*args, implementation="reference")
     _assert_written(o)
     with pytest.raises(ValueError, match="implementation"):

@@ -14,6 +14,7 @@ from kernels_pallas.paged_attention import api as attn_api
 
 _path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.py")
 _spec = importlib.util.spec_from_file_location("gpu_check", _path)
+assert _spec is not None and _spec.loader is not None
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
 

@@ -22,6 +22,7 @@ from kernels_pallas.gdn import api as gdn_api
 from kernels_pallas.gdn import pallas_gpu as gdn_kernels
 from kernels_pallas.ops import PallasOps
 from kernels_pallas.paged_attention import api as attn_api
+from kernels_pallas.paged_attention.pallas_gpu import AttentionTiling
 
 try:
     from jax.sharding import AbstractDevice
@@ -149,15 +150,17 @@ def test_refused_before_lowering(triton_ir, kernel, args, needle):
     api_fn, forced = {
         "gdn_rows": (
             gdn_api.recurrent_gated_delta_rule,
-            functools.partial(gdn_kernels.recurrent_gated_delta_rule, block_v=32),
+            functools.partial(gdn_kernels.recurrent_gated_delta_rule, tiling=gdn_kernels.RowsTiling(block_v=32)),
         ),
         "gdn_chunk": (
             gdn_api.chunk_gated_delta_rule,
-            functools.partial(gdn_kernels.chunk_gated_delta_rule, block_v=64),
+            functools.partial(gdn_kernels.chunk_gated_delta_rule, tiling=gdn_kernels.ChunkTiling(block_v=64)),
         ),
         "attention": (
             functools.partial(attn_api.paged_attention, scale=0.1),
-            functools.partial(attn_api.pallas_gpu.paged_attention, scale=0.1, block_rows=16, pages=4),
+            functools.partial(
+                attn_api.pallas_gpu.paged_attention, scale=0.1, tiling=AttentionTiling(block_rows=16, pages=4)
+            ),
         ),
     }[kernel]
     with pytest.raises(KernelRefused, match=needle):

@@ -1,17 +1,20 @@
-"""Paged attention kernel under the CPU interpreter against `kernels_pallas.paged_attention.reference`.
+"""Paged attention kernel against `kernels_pallas.paged_attention.reference`: under the Pallas
+interpreter off GPU, compiled through Triton on a GPU (`INTERPRET`), from the same test bodies.
 
 Claims: on decode, verify and prefill-chunk rows spanning one to three 64-key tiles (ragged, padded,
 rows crossing a tile boundary, non-contiguous block tables, GQA 2:1 and 8:1 and MHA, float32 and
-bfloat16) the kernel with its default interpreter tiling and form is BYTE-EQUAL to the reference;
-padding rows are exact zeros; NaN in other sequences' blocks, in unused blocks and in the own
-blocks past a sequence's last position leaves every result bit-identical, in the kernel and in the
-reference alike. The tiled reference is as accurate as the whole-span softmax it replaced (kept
-here as the yardstick) against the float64 oracle, and `common.pairwise_sum` gives a row the same bytes at
-any array shape. The Triton form (tl.sum, q-dtype dots) and GPU-sized row blocks, run on CPU, stay
-within the bounded allowance. (Bytes across different row blockings are not a claim: XLA CPU dots
-are not M-invariant.)
+bfloat16) the kernel with its default tiling and form meets its contract (BYTE-EQUAL to the
+reference under the interpreter, within the bounded allowance when compiled); padding rows are
+exact zeros; NaN in other sequences' blocks, in unused blocks and in the own blocks past a
+sequence's last position leaves every result bit-identical, in the kernel and in the reference
+alike. The tiled reference is as accurate as the whole-span softmax (kept here as the yardstick)
+against the float64 oracle, and `reductions.pairwise_sum` gives a row the same bytes at any array
+shape. The Triton form (tl.sum, q-dtype dots) and GPU-sized row blocks stay within the bounded
+allowance (on CPU too). (Bytes across different row blockings are not a claim: XLA CPU dots are not
+M-invariant.)
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -20,9 +23,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels_pallas import common, testing
+from kernels_pallas import common, reductions, testing
 from kernels_pallas.common import KernelRefused
 from kernels_pallas.paged_attention import api, pallas_gpu, reference
+from kernels_pallas.paged_attention.pallas_gpu import AttentionTiling
 
 D, BS, NB, MB = 16, 4, 128, 40  # 160 positions per sequence: tiles of 64 keys (16 blocks), up to 3
 SCALE = D**-0.5
@@ -33,14 +37,14 @@ CASES = {  # name: (T, starts): a start (s, n) keeps n rows; -1 = an all-padding
     "prefill_chunk": (20, [0, 50, (120, 11)]),  # rows 50..69 cross the first tile boundary
 }
 HEADS = [(4, 2), (8, 1)]
+INTERPRET = common.default_interpret()  # the interpreter off GPU; compiled through Triton on a GPU
 ref_attention = jax.jit(reference.paged_attention, static_argnums=5)
 
 
 @functools.cache
 def _kernel(block_rows=None, form=None):
-    return jax.jit(
-        functools.partial(api.paged_attention, scale=SCALE, interpret=True, block_rows=block_rows, form=form)
-    )
+    tiling = None if block_rows is None else AttentionTiling(block_rows=block_rows, pages=reference.tile_pages(BS))
+    return jax.jit(functools.partial(api.paged_attention, scale=SCALE, interpret=INTERPRET, tiling=tiling, form=form))
 
 
 def _inputs(case, h, kvh, dtype, seed=0):
@@ -58,6 +62,12 @@ def _assert_bytes_equal(x, y):
     assert x.dtype == y.dtype and x.shape == y.shape
     bits = np.dtype(f"u{x.dtype.itemsize}")
     np.testing.assert_array_equal(x.view(bits), y.view(bits))
+
+
+def _assert_meets_contract(out, ref, args):
+    """The kernel's output against the reference's: bytes under the interpreter, bounded compiled."""
+    oracle = lambda: testing.attention_oracle(*args, SCALE)
+    testing.assert_contract(out, ref, oracle, interpret=INTERPRET, assert_equal=_assert_bytes_equal)
 
 
 def _whole_span_attention(q, k_cache, v_cache, block_tables, positions, scale):
@@ -103,14 +113,14 @@ def test_bit_identical(case, h, kvh, dtype):
     out = _kernel()(*args)
     assert out.dtype == args[0].dtype and not np.isnan(_f32(out)).any()
     assert (_f32(out)[args[4] < 0] == 0).all()
-    _assert_bytes_equal(out, ref_attention(*args, SCALE))
+    _assert_meets_contract(out, ref_attention(*args, SCALE), args)
 
 
 @pytest.mark.parametrize("case", ["verify", "prefill_chunk"])
 def test_nan_outside_live_keys_not_read(case):
-    q, kc, vc, tables, positions = _inputs(case, 8, 2, "bf16", seed=1)
-    clean = _kernel()(q, kc, vc, tables, positions)
-    _assert_bytes_equal(clean, ref_attention(q, kc, vc, tables, positions, SCALE))
+    q, kc, vc, tables, positions = args = _inputs(case, 8, 2, "bf16", seed=1)
+    clean, ref_clean = _kernel()(*args), ref_attention(*args, SCALE)
+    _assert_meets_contract(clean, ref_clean, args)
     # Poison every key slot that no valid row may read: unused blocks, the own blocks past each
     # sequence's last position (stale draft rows), and all of the padding sequence's blocks.
     live = np.zeros((NB, BS), bool)
@@ -119,17 +129,17 @@ def test_nan_outside_live_keys_not_read(case):
             live[tables[i, p // BS], p % BS] = True
     poisoned = [np.where(live[:, :, None, None], x, np.nan).astype(x.dtype) for x in (kc, vc)]
     _assert_bytes_equal(_kernel()(q, *poisoned, tables, positions), clean)
-    _assert_bytes_equal(ref_attention(q, *poisoned, tables, positions, SCALE), clean)
+    _assert_bytes_equal(ref_attention(q, *poisoned, tables, positions, SCALE), ref_clean)
     # A sequence of padding rows whose blocks are all NaN outputs zeros and disturbs nobody.
     positions_pad = positions.copy()
     positions_pad[1] = -1
     others = np.where(np.isin(np.arange(NB), tables[1])[:, None, None, None], np.nan, kc).astype(kc.dtype)
-    for out in (
-        _kernel()(q, others, vc, tables, positions_pad),
-        ref_attention(q, others, vc, tables, positions_pad, SCALE),
+    for out, unpadded in (
+        (_kernel()(q, others, vc, tables, positions_pad), clean),
+        (ref_attention(q, others, vc, tables, positions_pad, SCALE), ref_clean),
     ):
         assert (_f32(out)[1] == 0).all()
-        _assert_bytes_equal(np.asarray(out)[[0, 2]], np.asarray(clean)[[0, 2]])
+        _assert_bytes_equal(np.asarray(out)[[0, 2]], np.asarray(unpadded)[[0, 2]])
 
 
 # ---------------------------------------------------------------- the reference's accuracy
@@ -160,13 +170,13 @@ def test_tiled_reference_as_accurate_as_whole_span(dtype):
 
 
 def test_pairwise_sum_is_shape_invariant():
-    """`common.pairwise_sum` gives a row the same bytes whatever array it sits in (jnp.sum does not
+    """`reductions.pairwise_sum` gives a row the same bytes whatever array it sits in (jnp.sum does not
     on XLA CPU), for power-of-two and other tile lengths, and is a correctly bounded sum."""
     rng = np.random.default_rng(3)
     for n in (64, 60):
         x = rng.uniform(size=(3, 2, 40, n)).astype(np.float32)
-        batched = np.asarray(jax.jit(common.pairwise_sum)(x))
-        one_block = np.asarray(jax.jit(common.pairwise_sum)(x[1, 0]))
+        batched = np.asarray(jax.jit(reductions.pairwise_sum)(x))
+        one_block = np.asarray(jax.jit(reductions.pairwise_sum)(x[1, 0]))
         _assert_bytes_equal(one_block, batched[1, 0])
         exact = x.astype(np.float64).sum(-1)
         assert np.abs(batched - exact).max() <= np.log2(n) * np.finfo(np.float32).eps * exact.max()
@@ -179,7 +189,11 @@ def test_pairwise_sum_is_shape_invariant():
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_other_tilings_within_bound(block_rows, form, dtype):
     """80 rows per kv head in blocks of 16 (each block walks the keys up to its own last row),
-    with the interpreter's body and with the Triton body (tl.sum, q-dtype dots): within the bound."""
+    with the interpreter's body and with the Triton body (tl.sum, q-dtype dots): within the bound.
+    The "reference" body is the interpreter's (Triton cannot slice a tile), so compiled runs only
+    the "triton" one."""
+    if form == "reference" and not INTERPRET:
+        pytest.skip("the reference form is the interpreter's body")
     args = _inputs("prefill_chunk", 8, 2, dtype, seed=2)
     out = _kernel(block_rows, form)(*args)
     assert (_f32(out)[args[4] < 0] == 0).all()
@@ -191,11 +205,12 @@ def test_other_tilings_within_bound(block_rows, form, dtype):
 def test_default_tiling():
     """Interpreter: one program holds all of a kv head's rows (at least MIN_ROWS), as the
     reference's row matrix; GPU: power-of-two row blocks in [16, 64]; key tiles of TILE_KEYS."""
-    assert api.default_tiling(20, 8, 2, 4, interpret=True) == (80, 16)
-    assert api.default_tiling(1, 2, 2, 16, interpret=True) == (reference.MIN_ROWS, 4)
-    assert api.default_tiling(1, 16, 2, 16, interpret=False) == (16, 4)
-    assert api.default_tiling(512, 16, 2, 16, interpret=False) == (64, 4)
-    assert api.default_tiling(4, 16, 2, 128, interpret=False) == (32, 1)
+    tiling = lambda *dims, interpret: dataclasses.astuple(AttentionTiling.get_default(*dims, interpret=interpret))[:2]
+    assert tiling(20, 8, 2, 4, interpret=True) == (80, 16)
+    assert tiling(1, 2, 2, 16, interpret=True) == (reference.MIN_ROWS, 4)
+    assert tiling(1, 16, 2, 16, interpret=False) == (16, 4)
+    assert tiling(512, 16, 2, 16, interpret=False) == (64, 4)
+    assert tiling(4, 16, 2, 128, interpret=False) == (32, 1)
     assert pallas_gpu.default_form(True) == "reference" and pallas_gpu.default_form(False) == "triton"
 
 
@@ -243,9 +258,9 @@ def test_refusals_carry_reasons(kw, backend, needle):
 def test_refused_kernel_raises():
     q, kc, vc, tables, positions = _inputs("decode", 4, 2, "f32")
     with pytest.raises(KernelRefused, match="kv heads"):
-        api.paged_attention(q[:, :, :3], kc, vc, tables, positions, SCALE, interpret=True)
+        api.paged_attention(q[:, :, :3], kc, vc, tables, positions, SCALE, interpret=INTERPRET)
     with pytest.raises(ValueError, match="form"):
-        api.paged_attention(q, kc, vc, tables, positions, SCALE, interpret=True, form="sorted")
+        api.paged_attention(q, kc, vc, tables, positions, SCALE, interpret=INTERPRET, form="sorted")
 
 
 @pytest.mark.parametrize("case", ["decode", "verify"])

@@ -78,10 +78,10 @@ def _engine_programs(settings):
     eng.propose_batched(seqs, [3] * n, settings.num_drafts)
     out = {}
     for key, prog in eng.programs._programs.items():
-        name, static = key[0], dict(key[1])
+        name, static = key[0], key[1]
         label = {"prefill_chunk": "prefill", "propose": "propose"}.get(name)
         if name == "step_rows":
-            label = "verify" if static["verify"] else "decode"
+            label = "verify" if static.verify else "decode"
         out[label] = prog
     return out
 
@@ -157,7 +157,7 @@ def test_no_activations_skips_them():
 
 def test_cache_key_covers_the_reference_kernels():
     """The `xla` forward runs the jnp twins in kernels_pallas: an edit there must change the
-    activation cache key (it once did not, leaving stale entries)."""
+    activation cache key, or a warm cache would serve stale entries."""
     names = {f.as_posix().split("/kernels_pallas/")[-1] for f in source_files() if "kernels_pallas" in f.parts}
     assert {"gdn/reference.py", "paged_attention/reference.py", "ops.py"} <= names
     assert any(f.name == "transitions.py" for f in source_files())

@@ -208,7 +208,7 @@ def test_local_weights_come_from_the_headers_and_unloaded_tensors_are_outside(tm
     assert any(p["pool"].startswith("MTP drafter KV") for p in d["pools"])
 
 
-# ---- the memory spec's worked vectors (state units × the engine's bytes per unit) ----
+# ---- worked vectors (state units × the engine's bytes per unit) ----
 
 
 def _h_bytes(planner: Planner, w: Workload, cfg) -> int:

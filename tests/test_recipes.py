@@ -15,11 +15,12 @@ from metrale_jax.recipes import (
     load_recipe,
     override_flags,
     parse_recipe,
-    parse_serve_argv,
     recipe_ids,
     render_argv,
     serve_argv,
 )
+from metrale_jax_cli.model_toml import load_behavior
+from metrale_jax_cli.serve_flags import parse_serve_argv
 
 GOOD = """\
 recipe_version: "2"
@@ -50,7 +51,7 @@ def with_defaults(body: str) -> str:
     return head + "defaults:\n" + textwrap.indent(textwrap.dedent(body), "  ")
 
 
-# ---- the seed's override cases ----
+# ---- overrides ----
 
 
 def test_a_later_flag_replaces_the_recipes_value():
@@ -220,9 +221,10 @@ def test_shipped_recipe_resolves_against_its_model(recipe_id):
     assert source.id == recipe.model
     model, raw = parse_serve_argv(render_argv(recipe))
     assert model == recipe.model
-    s = resolve_settings(raw, source.behavior, auto_slots=8)
+    behavior = load_behavior(source.model_toml)
+    s = resolve_settings(raw, behavior, auto_slots=8)
     assert s.speculative == recipe_id.endswith("-mtp")
-    assert "absent" not in source.behavior.source  # every shipped model has a MODEL.toml
+    assert "absent" not in behavior.source  # every shipped model has a MODEL.toml
     if s.speculative:
         assert source.config.num_mtp_layers >= 1
 
@@ -230,7 +232,7 @@ def test_shipped_recipe_resolves_against_its_model(recipe_id):
 def test_tiny_mtp_takes_its_drafts_cap_and_kv_dtype_from_model_toml():
     recipe = load_recipe(REPO_RECIPES_DIR, "metrale-jax/tiny-mtp")
     source = resolve_model(recipe.model, REPO_RECIPES_DIR)
-    s = resolve_settings(parse_serve_argv(render_argv(recipe))[1], source.behavior, auto_slots=8)
+    s = resolve_settings(parse_serve_argv(render_argv(recipe))[1], load_behavior(source.model_toml), auto_slots=8)
     rules = {p.setting: p.rule for p in s.provenance}
     assert (s.num_drafts, s.mtp_max_seqs, s.kv_cache_dtype) == (3, 16, "f32")
     assert all(rules[f].startswith("MODEL.toml") for f in ("--num-drafts", "--mtp-max-seqs", "--kv-cache-dtype"))

@@ -1,4 +1,5 @@
-"""Serve settings: the Click option set, MODEL.toml `[behavior]`, resolution and validation."""
+"""Serve settings: the flag table as Click options, MODEL.toml `[behavior]`, K-ladder text, resolution and
+validation."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from metrale_jax.engine.settings import (
     RULE_DEFAULT,
     RULE_FLAG,
     Behavior,
-    BehaviorError,
     EngineSettings,
     SettingsError,
-    pop_serve_raw,
+    format_k_ladder,
+    parse_k_ladder,
     resolve_settings,
-    serve_options,
 )
+from metrale_jax_cli.model_toml import BehaviorError, load_behavior, parse_behavior
+from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
 TOML = Behavior(default_num_drafts=2, mtp_max_seqs=64, default_kv_dtype="bf16", source="M.toml")
 
@@ -220,17 +222,47 @@ def test_settings_are_hashable_and_static_under_jit():
     assert len(calls) == 1  # equal settings: one trace
 
 
+# ---- K ladder text ----
+
+
+def test_parse_default_ladder_text_and_round_trip():
+    assert parse_k_ladder("4:3,8:3,16:1,32:1") == DEFAULT_K_LADDER
+    assert parse_k_ladder(" 2:2 , 32 : 1 ") == ((2, 2), (32, 1))
+    assert parse_k_ladder(format_k_ladder(DEFAULT_K_LADDER)) == DEFAULT_K_LADDER
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("", "empty"),
+        ("4", "not n_max:drafts"),
+        ("4:3,", "not n_max:drafts"),
+        ("a:b", "not n_max:drafts"),
+        ("4:3;8:1", "not n_max:drafts"),
+        ("-1:2", "not n_max:drafts"),
+        ("4:3:1", "not n_max:drafts"),
+        ("0:1", ">= 1"),
+        ("4:0", ">= 1"),
+        ("8:3,4:1", "must increase"),
+        ("4:3,4:1", "must increase"),
+    ],
+)
+def test_malformed_ladder_is_refused_whole(spec, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_k_ladder(spec)
+
+
 # ---- MODEL.toml ----
 
 
 def test_behavior_parse_reads_three_keys_and_ignores_the_rest():
-    b = Behavior.parse(
+    b = parse_behavior(
         "[behavior]\ndefault_num_drafts = 3\nmtp_max_seqs = 128\n"
         'default_kv_dtype = "bf16"\nthinking_default = true\n[dflash]\ngamma = 16\n',
         "x/MODEL.toml",
     )
     assert (b.default_num_drafts, b.mtp_max_seqs, b.default_kv_dtype, b.source) == (3, 128, "bf16", "x/MODEL.toml")
-    assert Behavior.parse("# nothing\n", "s") == Behavior(source="s")
+    assert parse_behavior("# nothing\n", "s") == Behavior(source="s")
 
 
 @pytest.mark.parametrize(
@@ -247,13 +279,13 @@ def test_behavior_parse_reads_three_keys_and_ignores_the_rest():
 )
 def test_behavior_wrong_types_are_clear_errors(text, needle):
     with pytest.raises(BehaviorError) as e:
-        Behavior.parse(text, "m/MODEL.toml")
+        parse_behavior(text, "m/MODEL.toml")
     assert str(e.value).startswith("m/MODEL.toml: ") and needle in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_absent_model_toml_means_engine_defaults(tmp_path):
-    b = Behavior.load(tmp_path / "MODEL.toml")
+    b = load_behavior(tmp_path / "MODEL.toml")
     assert (b.default_num_drafts, b.mtp_max_seqs, b.default_kv_dtype) == (0, 0, "")
     assert "absent: engine defaults" in b.source
 

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.ops import ReferenceOps
 from metrale_jax import research
 from metrale_jax.checkpoint import load_checkpoint
 from metrale_jax.config import load_model_config
-from metrale_jax.model.state_io import ReferenceOps
 from metrale_jax.presets import TINY, resolve_checkpoint
 from metrale_jax.presets_data import SMALL_DIR
 from metrale_jax.tokenizer import END_OF_TEXT, ByteTokenizer, TokenizerError, load_tokenizer, tokenizer_for

@@ -2,8 +2,9 @@
 refusals, and declare each kernel's contract against `kernels_pallas.gdn.reference`.
 
 Owns: which shapes and backends the Pallas kernels accept (`gdn_chunk_supported`,
-`gdn_rows_supported` return a human-readable reason or None), their default tiling, and the
-contracts below. The math lives in `reference.py` and `pallas_gpu.py`.
+`gdn_rows_supported` return a human-readable reason or None) and the contracts below. The math
+lives in `reference.py` and `pallas_gpu.py`, the tiling (`RowsTiling`, `ChunkTiling`) in
+`pallas_gpu.py`.
 
 Contracts (checked by tests/test_kernels_gdn.py):
 - Both kernels are BIT-IDENTICAL to the reference under the CPU interpreter with the default
@@ -12,33 +13,26 @@ Contracts (checked by tests/test_kernels_gdn.py):
 - What cannot be byte-equal is BOUNDED by `common.contract_bound` (twice the reference's own error
   against the float64 oracle, plus one float32 unit roundoff; metric max |x - x64| / max |x64|
   over o and the state(s)): the Triton body (its matvecs are multiply + sum, reduced in another
-  order than the CPU dot) and value tiles narrower than about 48 columns (Eigen switches matmul
-  kernels for narrow operands). Measured on CPU (dk=16, dv=32): rows 1.2e-7 (reference 1.5e-7),
-  chunk at T=130 1.1e-6 (reference 1.1e-6, the chunk form's own error).
-- On a GPU the kernels are compared to the reference by `benchmarks/gpu_check.py`.
+  order than the CPU dot) and value tiles narrower than Eigen's wide-matmul path (Eigen switches
+  matmul kernels for narrow operands).
+- On a GPU the kernels are compared to the reference by `benchmarks/gpu_check.py`, and the tests
+  of tests/test_kernels_gdn.py run compiled and check the bounded contract.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
-from kernels_pallas.common import KernelRefused
+from kernels_pallas.common import Implementation, KernelRefused
 from kernels_pallas.gdn import pallas_gpu, reference
+from kernels_pallas.gdn.pallas_gpu import ChunkTiling, RowsTiling
 
 CHUNK_CONTRACT = "bit-identical"
 ROWS_CONTRACT = "bit-identical"
 
 MAX_ROWS = 8  # the rows kernel unrolls its rows; decode is 1, verify is drafts + 1
-
-
-def default_block_v(kernel: str, dv: int, *, interpret: bool) -> int:
-    """Value columns per program. Interpreter: all of dv (byte-equal to the reference). GPU: 32
-    for rows (a decode step has only B * H heads to spread over the SMs), 64 for chunk (each tile
-    recomputes the chunk's dk-side terms). Untuned: benchmarks/gpu_check.py times the defaults."""
-    if interpret:
-        return dv
-    return min(dv, 32 if kernel == "rows" else 64)
 
 
 def _common_reason(q, k, v, g, beta, h0, backend: str, block_v: int) -> str | None:
@@ -63,68 +57,87 @@ def _common_reason(q, k, v, g, beta, h0, backend: str, block_v: int) -> str | No
     return None
 
 
-def gdn_rows_supported(q, k, v, g, beta, h0, *, backend: str, block_v: int | None = None) -> str | None:
+def gdn_rows_supported(q, k, v, g, beta, h0, *, backend: str, tiling: RowsTiling | None = None) -> str | None:
     """Why the rows kernel refuses these arguments (anything with .shape/.dtype) on `backend`
-    ("interpret" or "gpu"), or None when it takes them."""
-    dv = v.shape[-1]
-    block_v = block_v or default_block_v("rows", dv, interpret=backend == "interpret")
-    if reason := _common_reason(q, k, v, g, beta, h0, backend, block_v):
+    ("interpret" or "gpu") with `tiling` (None = `RowsTiling.get_default`), or None when it
+    takes them."""
+    tiling = tiling or RowsTiling.get_default(v.shape[-1], interpret=backend == "interpret")
+    if reason := _common_reason(q, k, v, g, beta, h0, backend, tiling.block_v):
         return reason
     b, t, _, dk = q.shape
     if t > MAX_ROWS:
         return f"the rows kernel unrolls at most {MAX_ROWS} rows per sequence; got T={t} (use the chunk kernel)"
     if backend == "gpu":
         # Its matvecs are multiply + sum, so no dot minimum: [dk], [block_v], [dk, block_v] arrays.
-        return common.triton_dims_reason(minimum=1, dk=dk, block_v=block_v) or common.int32_offsets_reason(
-            states=b * t * v.shape[2] * dk * dv
+        return common.triton_dims_reason(minimum=1, dk=dk, block_v=tiling.block_v) or common.int32_offsets_reason(
+            states=b * t * v.shape[2] * dk * v.shape[-1]
         )
     return None
 
 
-def gdn_chunk_supported(q, k, v, g, beta, h0, *, backend: str, block_v: int | None = None) -> str | None:
-    """Why the chunk kernel refuses these arguments on `backend`, or None when it takes them."""
-    dv = v.shape[-1]
-    block_v = block_v or default_block_v("chunk", dv, interpret=backend == "interpret")
-    if reason := _common_reason(q, k, v, g, beta, h0, backend, block_v):
+def gdn_chunk_supported(q, k, v, g, beta, h0, *, backend: str, tiling: ChunkTiling | None = None) -> str | None:
+    """Why the chunk kernel refuses these arguments on `backend` with `tiling` (None =
+    `ChunkTiling.get_default`), or None when it takes them."""
+    tiling = tiling or ChunkTiling.get_default(v.shape[-1], interpret=backend == "interpret")
+    if reason := _common_reason(q, k, v, g, beta, h0, backend, tiling.block_v):
         return reason
     b, t, _, dk = q.shape
     if backend == "gpu":
-        tp = -(-t // reference.CHUNK) * reference.CHUNK
-        return common.triton_dims_reason(minimum=16, dk=dk, block_v=block_v) or common.int32_offsets_reason(
-            o=b * tp * v.shape[2] * dv, q=b * tp * q.shape[2] * dk
-        )
+        tp = -(-t // tiling.chunk) * tiling.chunk
+        return common.triton_dims_reason(
+            minimum=16, dk=dk, block_v=tiling.block_v, chunk=tiling.chunk
+        ) or common.int32_offsets_reason(o=b * tp * v.shape[2] * v.shape[-1], q=b * tp * q.shape[2] * dk)
     return None
 
 
 def recurrent_gated_delta_rule(
-    q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None
-):
+    q,
+    k,
+    v,
+    g,
+    beta,
+    h0,
+    *,
+    implementation: Implementation = "pallas",
+    interpret: bool | None = None,
+    tiling: RowsTiling | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Per-row recurrence (decode / verify): (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32),
     states[:, t] the state after row t. Arguments as `reference.recurrent_gated_delta_rule`.
 
     implementation: "pallas" (raises `KernelRefused` with the reason when unsupported) or
-    "reference". interpret: None = `common.default_interpret()`.
+    "reference". interpret: None = `common.default_interpret()`. tiling: None =
+    `RowsTiling.get_default`.
     """
     common.check_implementation(implementation)
     if implementation == "reference":
         return reference.recurrent_gated_delta_rule(q, k, v, g, beta, h0)
     interpret = common.default_interpret() if interpret is None else interpret
-    block_v = block_v or default_block_v("rows", v.shape[-1], interpret=interpret)
-    if reason := gdn_rows_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), block_v=block_v):
+    tiling = tiling or RowsTiling.get_default(v.shape[-1], interpret=interpret)
+    if reason := gdn_rows_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), tiling=tiling):
         raise KernelRefused(f"gdn rows kernel: {reason}")
-    return pallas_gpu.recurrent_gated_delta_rule(q, k, v, g, beta, h0, block_v=block_v, interpret=interpret)
+    return pallas_gpu.recurrent_gated_delta_rule(q, k, v, g, beta, h0, tiling=tiling, interpret=interpret)
 
 
 def chunk_gated_delta_rule(
-    q, k, v, g, beta, h0, *, implementation: str = "pallas", interpret: bool | None = None, block_v: int | None = None
-):
+    q,
+    k,
+    v,
+    g,
+    beta,
+    h0,
+    *,
+    implementation: Implementation = "pallas",
+    interpret: bool | None = None,
+    tiling: ChunkTiling | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Chunked prefill: (o [B, T, H, dv] f32, final_state [B, H, dk, dv] f32). Arguments and
-    switches as `recurrent_gated_delta_rule`."""
+    switches as `recurrent_gated_delta_rule`; tiling: None = `ChunkTiling.get_default`."""
     common.check_implementation(implementation)
     if implementation == "reference":
         return reference.chunk_gated_delta_rule(q, k, v, g, beta, h0)
     interpret = common.default_interpret() if interpret is None else interpret
-    block_v = block_v or default_block_v("chunk", v.shape[-1], interpret=interpret)
-    if reason := gdn_chunk_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), block_v=block_v):
+    tiling = tiling or ChunkTiling.get_default(v.shape[-1], interpret=interpret)
+    if reason := gdn_chunk_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), tiling=tiling):
         raise KernelRefused(f"gdn chunk kernel: {reason}")
-    return pallas_gpu.chunk_gated_delta_rule(q, k, v, g, beta, h0, block_v=block_v, interpret=interpret)
+    return pallas_gpu.chunk_gated_delta_rule(q, k, v, g, beta, h0, tiling=tiling, interpret=interpret)

@@ -1,7 +1,8 @@
 """Pallas (Triton-lowerable) Gated DeltaNet kernels: chunked prefill and per-row decode/verify.
 
-Owns: the two `pallas_call`s and their block layout. Callers go through `kernels_pallas.gdn.api`,
-which checks shapes first; these functions assume supported shapes.
+Owns: the two `pallas_call`s, their block layout and their tiling (`RowsTiling`, `ChunkTiling`,
+each with its `get_default`). Callers go through `kernels_pallas.gdn.api`, which checks shapes
+first; these functions assume supported shapes.
 
 Layout (B batch, T rows, Hk key heads, H value heads, r = H // Hk, dk key dim, dv value dim):
 - grid = (B, H, dv // block_v); one program owns one value head's state columns
@@ -22,6 +23,7 @@ w, qk). A smaller block_v trades that recompute for occupancy and register press
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,6 +34,47 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.common import MatvecForm, matvec, matvec_form
 from kernels_pallas.gdn.reference import CHUNK
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsTiling:
+    """The rows kernel's tiling: `block_v` value columns per program (divides dv); Triton's
+    `num_warps` and `num_stages` (the interpreter ignores them)."""
+
+    block_v: int
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @classmethod
+    def get_default(cls, dv: int, *, interpret: bool) -> RowsTiling:
+        """Interpreter: all of dv (byte-equal to the reference). GPU: 32 columns (a decode step has
+        only B * H heads to spread over the SMs). Untuned: benchmarks/gpu_check.py times the defaults."""
+        return cls(block_v=dv if interpret else min(dv, 32))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTiling:
+    """The chunk kernel's tiling: `block_v` value columns per program (divides dv), `chunk` rows per
+    WY chunk (the reference's `CHUNK`, which byte-equality needs); Triton's `num_warps` and
+    `num_stages` (the interpreter ignores them)."""
+
+    block_v: int
+    chunk: int = CHUNK
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @classmethod
+    def get_default(cls, dv: int, *, interpret: bool) -> ChunkTiling:
+        """Interpreter: all of dv (byte-equal to the reference). GPU: 64 columns (each tile
+        recomputes the chunk's dk-side terms). Untuned: benchmarks/gpu_check.py times the defaults."""
+        return cls(block_v=dv if interpret else min(dv, 64))
+
+
+def _compiler_params(tiling: RowsTiling | ChunkTiling, interpret: bool):
+    """Triton's launch parameters, or None under the interpreter."""
+    if interpret:
+        return None
+    return pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
 
 
 def _rows_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, s_ref, *, rows: int, form: MatvecForm):
@@ -52,8 +95,8 @@ def _rows_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, s_ref, *, row
 
 
 def recurrent_gated_delta_rule(
-    q, k, v, g, beta, h0, *, block_v: int, interpret: bool, matvec_as: MatvecForm | None = None
-):
+    q, k, v, g, beta, h0, *, tiling: RowsTiling, interpret: bool, matvec_as: MatvecForm | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Per-row recurrence (decode / verify), every row's state out.
 
     q, k [B, T, Hk, dk] f32; v [B, T, H, dv] f32; g, beta [B, T, H] f32; h0 [B, H, dk, dv] f32.
@@ -63,6 +106,7 @@ def recurrent_gated_delta_rule(
     b, t, hk, dk = q.shape
     heads, dv = v.shape[2:]
     r = heads // hk
+    block_v = tiling.block_v
     grid = (b, heads, dv // block_v)
     qk_spec = pl.BlockSpec((None, t, None, dk), lambda i, h, j: (i, 0, h // r, 0))
     v_spec = pl.BlockSpec((None, t, None, block_v), lambda i, h, j: (i, 0, h, j))
@@ -84,7 +128,7 @@ def recurrent_gated_delta_rule(
             jax.ShapeDtypeStruct((b, t, heads, dk, dv), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=_compiler_params(tiling, interpret),
         name=f"gdn_rows_t{t}_bv{block_v}",
     )(q, k, v, g, beta, h0)
 
@@ -110,13 +154,16 @@ def _unit_lower_inverse(a, form: MatvecForm):
     return lax.fori_loop(1, c, body, eye)
 
 
-def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, hT_ref, *, chunks: int, form: MatvecForm):
-    """One value head, state columns [dk, bv], the whole (padded) sequence in chunks of CHUNK.
+def _chunk_kernel(
+    q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, hT_ref, *, chunks: int, chunk: int, form: MatvecForm
+):
+    """One value head, state columns [dk, bv], the whole (padded) sequence in `chunks` chunks of
+    `chunk` rows.
 
     q_ref, k_ref [Tp, dk]; v_ref [Tp, bv]; g_ref, b_ref [Tp]; h0_ref [dk, bv];
     o_ref [Tp, bv]; hT_ref [dk, bv] (the state after the last chunk).
     """
-    c = CHUNK
+    c = chunk
     rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     tri_incl, tri_strict = rows >= cols, rows > cols
@@ -144,20 +191,23 @@ def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, hT_ref, *, c
     hT_ref[...] = lax.fori_loop(0, chunks, step, h0_ref[...])
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: bool, matvec_as: MatvecForm | None = None):
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, h0, *, tiling: ChunkTiling, interpret: bool, matvec_as: MatvecForm | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Chunked (WY) prefill, final state out.
 
     Same arguments and switches as `recurrent_gated_delta_rule`. Returns (o [B, T, H, dv] f32,
-    final_state [B, H, dk, dv] f32) as the reference does.
+    final_state [B, H, dk, dv] f32) as the reference does (with chunk_size = tiling.chunk).
 
-    NOTE: T is padded to a multiple of CHUNK with identity rows (k = v = g = beta = 0), as in the
+    NOTE: T is padded to a multiple of the chunk with identity rows (k = v = g = beta = 0), as in the
     reference; the padded copy of the inputs is the only traffic beyond the kernel's own, and only
     when T % CHUNK != 0.
     """
     b, t, hk, dk = q.shape
     heads, dv = v.shape[2:]
     r = heads // hk
-    pad = (-t) % CHUNK
+    block_v, chunk = tiling.block_v, tiling.chunk
+    pad = (-t) % chunk
     if pad:
         padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         q, k, v, g, beta = map(padt, (q, k, v, g, beta))
@@ -167,7 +217,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: boo
     gate_spec = pl.BlockSpec((None, tp, None), lambda i, h, j: (i, 0, h))
     state_spec = pl.BlockSpec((None, None, dk, block_v), lambda i, h, j: (i, h, 0, j))
     o, final = pl.pallas_call(
-        functools.partial(_chunk_kernel, chunks=tp // CHUNK, form=matvec_as or matvec_form(interpret)),
+        functools.partial(_chunk_kernel, chunks=tp // chunk, chunk=chunk, form=matvec_as or matvec_form(interpret)),
         grid=(b, heads, dv // block_v),
         in_specs=[qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
         out_specs=[v_spec, state_spec],
@@ -176,7 +226,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, *, block_v: int, interpret: boo
             jax.ShapeDtypeStruct((b, heads, dk, dv), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=_compiler_params(tiling, interpret),
         name=f"gdn_chunk_bv{block_v}",
     )(q, k, v, g, beta, h0)
     return o[:, :t], final

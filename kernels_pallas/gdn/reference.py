@@ -91,7 +91,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
         v_new = u_c - w_c @ s
         o_c = (q_c * jnp.exp(gam_c)[..., None]) @ s + qk_c @ v_new
         # NOTE: the chunk rows are contracted in place ("ck,cv->kv", as the kernel's x.T @ y
-        # dot_general): a swapaxes then @ rounded differently from the kernel on jax 0.11.2's XLA
+        # dot_general): a swapaxes then @ rounds differently from the kernel on jax 0.11.2's XLA
         # CPU for one sequence with dv = 16 (tests/test_kernels_gdn.py, tiny prefill shape).
         s = s * jnp.exp(gl_c)[..., None, None] + jnp.einsum(
             "...ck,...cv->...kv", k_c * jnp.exp(gl_c[..., None] - gam_c)[..., None], v_new

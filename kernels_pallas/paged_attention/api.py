@@ -2,8 +2,8 @@
 and declare the kernel's contract against `kernels_pallas.paged_attention.reference`.
 
 Owns: which shapes and backends the attention kernel accepts (`paged_attention_supported` returns
-a human-readable reason or None), its default tiling, the contract below, and the KV write's
-implementation choice.
+a human-readable reason or None), the contract below, and the KV write's implementation choice.
+The tiling (`AttentionTiling`) and the body's forms live in `pallas_gpu.py`.
 
 KV write: `write_kv` is the reference's jnp scatter, on every backend, by design. It moves only
 the T rows it writes (with the pool donated, XLA updates it in place); a Pallas kernel would have to
@@ -17,7 +17,7 @@ key tiles of `reference.tile_pages(bs)` blocks) and the default form ("reference
   matrices, the same per-tile ops in the same order and dtypes, stopping at the same tile per
   sequence), and the three ops whose CPU bits depend on more than their own operands are avoided
   or matched: the tile's probability sum is a tree of elementwise adds
-  (`common.pairwise_sum`; XLA CPU's reduce order changes with the array size), the dots take
+  (`reductions.pairwise_sum`; XLA CPU's reduce order changes with the array size), the dots take
   float32-widened operands (`reference.widen`; exact products, so the same dot, and XLA CPU's
   bfloat16 dots sum in an order that changes with the surrounding program), and every dot has
   the kernel's M (XLA CPU dots are not M-invariant; a one-row dot is a vector product, so a lone
@@ -25,14 +25,12 @@ key tiles of `reference.tile_pages(bs)` blocks) and the default form ("reference
 - BOUNDED by `common.contract_bound` instead (twice the reference's own error against the float64
   numpy oracle of the same dtype-rounded inputs, plus one unit roundoff of q's dtype; metric
   max |o - o64| / max |o64|): the "triton" form (tl.sum, q-dtype dots) and row blocks narrower
-  than a kv head's rows (the GPU tiling: 16 to 64 rows, padded). Measured on CPU (80 prefill rows
-  per kv head in blocks of 16): float32 2.7e-7 (reference 2.5e-7, bound 5.6e-7); bfloat16 5.8e-3
-  (reference 5.8e-3, bound 1.6e-2). On a GPU the kernel is compared to the reference by
-  `benchmarks/gpu_check.py`.
-- The reference's own accuracy: as good as the whole-span softmax it replaced. Against the float64
-  oracle over decode, verify and prefill-chunk rows spanning 1 to 3 key tiles (GQA 2:1, 8:1, MHA):
-  float32 RMS 2.0e-8 (whole-span 2.1e-8), max 1.7e-7 (1.9e-7); bfloat16 RMS 4.8e-4 (5.3e-4), max
-  5.8e-3 (5.8e-3; both dominated by rounding the scores to bfloat16).
+  than a kv head's rows (the GPU tiling: 16 to 64 rows, padded). On a GPU the kernel is compared
+  to the reference by `benchmarks/gpu_check.py`, and tests/test_kernels_paged_attention.py runs
+  compiled and checks this contract.
+- The reference's own accuracy: as good as the whole-span softmax it is the tiled form of, against
+  the float64 oracle over decode, verify and prefill-chunk rows spanning 1 to 3 key tiles (GQA
+  2:1, 8:1, MHA), in RMS and in max error (tests/test_kernels_paged_attention.py).
 - Exact parts on every tiling and form: padding rows are zeros, and what other sequences' blocks,
   or blocks of the own table past the rows' positions, hold never changes a result (tests use NaN
   there).
@@ -40,27 +38,19 @@ key tiles of `reference.tile_pages(bs)` blocks) and the default form ("reference
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
-from kernels_pallas.common import KernelRefused
+from kernels_pallas.common import Implementation, KernelRefused
 from kernels_pallas.paged_attention import pallas_gpu, reference
+from kernels_pallas.paged_attention.pallas_gpu import AttentionTiling, Form
 
 CONTRACT = "bit-identical"
 
 write_kv = reference.write_kv
 Q_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 TILE_KEYS = reference.TILE_KEYS
-
-
-def default_tiling(t: int, h: int, kvh: int, bs: int, *, interpret: bool) -> tuple[int, int]:
-    """(block_rows, pages): rows per program and blocks per key tile (`reference.tile_pages`).
-    Interpreter: all T * H / KV rows of a kv head (at least `reference.MIN_ROWS`), the reference's
-    row matrix. GPU: a power of two in [16, 64] covering them when it can."""
-    rows = t * (h // kvh)
-    if interpret:
-        return max(rows, reference.MIN_ROWS), reference.tile_pages(bs)
-    return min(64, max(16, 1 << (rows - 1).bit_length())), reference.tile_pages(bs)
 
 
 def paged_attention_supported(
@@ -71,15 +61,18 @@ def paged_attention_supported(
     positions,
     *,
     backend: str,
-    block_rows: int | None = None,
-    pages: int | None = None,
+    tiling: AttentionTiling | None = None,
 ) -> str | None:
     """Why the kernel refuses these arguments (anything with .shape/.dtype) on `backend`
-    ("interpret" or "gpu"), or None when it takes them."""
+    ("interpret" or "gpu") with `tiling` (None = `AttentionTiling.get_default`), or None when it
+    takes them."""
     if reason := common.backend_reason(backend):
         return reason
     if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
-        return f"q must be [B, T, H, D] and the caches [NB, bs, KV, D] alike; got {q.shape}, {k_cache.shape}, {v_cache.shape}"
+        return (
+            "q must be [B, T, H, D] and the caches [NB, bs, KV, D] alike; "
+            f"got {q.shape}, {k_cache.shape}, {v_cache.shape}"
+        )
     b, t, h, d = q.shape
     nb, bs, kvh, dc = k_cache.shape
     if dc != d:
@@ -90,11 +83,12 @@ def paged_attention_supported(
         return f"block_tables must be [B, MB] and positions [B, T]; got {block_tables.shape}, {positions.shape}"
     if q.dtype not in Q_DTYPES:
         return f"q dtype {q.dtype} is not one of {[str(x) for x in Q_DTYPES]}"
-    block_rows_d, pages_d = default_tiling(t, h, kvh, bs, interpret=backend == "interpret")
-    block_rows, pages = block_rows or block_rows_d, pages or pages_d
+    tiling = tiling or AttentionTiling.get_default(t, h, kvh, bs, interpret=backend == "interpret")
     if backend == "gpu":
-        return common.triton_dims_reason(minimum=16, head_dim=d, block_rows=block_rows, tile_keys=pages * bs) or (
-            common.triton_dims_reason(minimum=1, pages=pages)
+        return common.triton_dims_reason(
+            minimum=16, head_dim=d, block_rows=tiling.block_rows, tile_keys=tiling.pages * bs
+        ) or (
+            common.triton_dims_reason(minimum=1, pages=tiling.pages)
             or common.int32_offsets_reason(k_cache=k_cache.size, q=b * h * t * d)
         )
     return None
@@ -108,30 +102,28 @@ def paged_attention(
     positions,
     scale: float,
     *,
-    implementation: str = "pallas",
+    implementation: Implementation = "pallas",
     interpret: bool | None = None,
-    block_rows: int | None = None,
-    pages: int | None = None,
-    form: str | None = None,
-):
+    tiling: AttentionTiling | None = None,
+    form: Form | None = None,
+) -> jax.Array:
     """Causal GQA attention of query rows over their sequences' paged KV. Arguments as
     `reference.paged_attention`; returns [B, T, H, D] in q's dtype.
 
     implementation: "pallas" (raises `KernelRefused` with the reason when unsupported) or
-    "reference". interpret: None = `common.default_interpret()`. block_rows, pages: None =
-    `default_tiling`; form: the kernel body's form, None = `pallas_gpu.default_form(interpret)`.
+    "reference". interpret: None = `common.default_interpret()`. tiling: None =
+    `AttentionTiling.get_default`; form: the kernel body's form, None = `pallas_gpu.default_form(interpret)`.
     """
     common.check_implementation(implementation)
     if implementation == "reference":
         return reference.paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
     interpret = common.default_interpret() if interpret is None else interpret
-    block_rows_d, pages_d = default_tiling(
+    tiling = tiling or AttentionTiling.get_default(
         q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interpret
     )
-    block_rows, pages = block_rows or block_rows_d, pages or pages_d
     backend = common.backend_of(interpret)
     if reason := paged_attention_supported(
-        q, k_cache, v_cache, block_tables, positions, backend=backend, block_rows=block_rows, pages=pages
+        q, k_cache, v_cache, block_tables, positions, backend=backend, tiling=tiling
     ):
         raise KernelRefused(f"paged attention kernel: {reason}")
     return pallas_gpu.paged_attention(
@@ -141,8 +133,7 @@ def paged_attention(
         block_tables,
         positions,
         scale,
-        block_rows=block_rows,
-        pages=pages,
+        tiling=tiling,
         interpret=interpret,
         form=form,
     )

@@ -1,7 +1,8 @@
 """Pallas (Triton-lowerable) causal GQA attention over the paged KV cache, for decode rows, verify
 rows and prefill chunks alike.
 
-Owns: the `pallas_call`, its row layout, its tile loop and its body's two backend forms.
+Owns: the `pallas_call`, its row layout and tiling (`AttentionTiling`), its tile loop and its
+body's two backend forms (`Form`).
 Callers go through `kernels_pallas.paged_attention.api`, which checks shapes first.
 
 Layout (B batch, T rows, H query heads, KV kv heads, rep = H // KV, D head dim, bs block size):
@@ -15,7 +16,7 @@ Layout (B batch, T rows, H query heads, KV kv heads, rep = H // KV, D head dim, 
 
 NOTE: the pools' BlockSpec is `memory_space=pl.ANY` (no block): Triton gets a plain pointer either
 way, and the interpreter then reads the pools in place instead of copying a pool-sized block at
-every grid step (which made interpret mode 10x slower at engine-sized pools).
+every grid step.
 
 Invariants:
 - A row reads keys 0..position of its own sequence only. Tiles past the one holding the block's
@@ -27,9 +28,9 @@ Invariants:
   float32, its scores are rounded to q's dtype and scaled in it (HF's eager path); softmax and the
   PV accumulation are float32, with the probabilities cast to q's dtype before the PV dot.
 - The body is the same code on both backends except two ops, picked by `form` (`default_form`):
-  "reference" under the interpreter runs the reference's own (the tile sum as `common.pairwise_sum`'s
-  tree of elementwise adds, dot operands widened by `reference.widen`), which with the
-  interpreter's tiling (api.default_tiling) makes the kernel byte-equal to the reference;
+  "reference" under the interpreter runs the reference's own (the tile sum as
+  `reductions.pairwise_sum`'s tree of elementwise adds, dot operands widened by `reference.widen`),
+  which with the interpreter's tiling (`AttentionTiling.get_default`) makes the kernel byte-equal to the reference;
   "triton" when compiled runs tl.sum (Triton cannot slice a tile) and dots in q's dtype (tensor
   cores). Tests run both forms on CPU.
 
@@ -38,7 +39,9 @@ Precondition: positions < block_tables.shape[1] * bs (a row's keys fit its table
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,19 +49,42 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import common
 from kernels_pallas.paged_attention import reference
+from kernels_pallas.reductions import pairwise_sum
 
-FORMS = ("reference", "triton")
+Form = Literal["reference", "triton"]  # the body's form (see the module docstring)
+FORMS: tuple[Form, ...] = ("reference", "triton")
 
 
-def default_form(interpret: bool) -> str:
+@dataclasses.dataclass(frozen=True)
+class AttentionTiling:
+    """The kernel's tiling: `block_rows` query rows per program (of a kv head's T * H / KV), `pages`
+    blocks per key tile (pages * bs keys per loop step); Triton's `num_warps` and `num_stages`
+    (the interpreter ignores them)."""
+
+    block_rows: int
+    pages: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @classmethod
+    def get_default(cls, t: int, h: int, kvh: int, bs: int, *, interpret: bool) -> AttentionTiling:
+        """Key tiles of `reference.tile_pages(bs)` blocks. Rows: under the interpreter all T * H / KV
+        rows of a kv head (at least `reference.MIN_ROWS`), the reference's row matrix; on a GPU a
+        power of two in [16, 64] covering them when it can."""
+        rows = t * (h // kvh)
+        if interpret:
+            return cls(block_rows=max(rows, reference.MIN_ROWS), pages=reference.tile_pages(bs))
+        return cls(block_rows=min(64, max(16, 1 << (rows - 1).bit_length())), pages=reference.tile_pages(bs))
+
+
+def default_form(interpret: bool) -> Form:
     """The body's form: "reference" under the interpreter (byte-equal to the reference), "triton"
     when compiled."""
     return "reference" if interpret else "triton"
 
 
-def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: float, pages: int, form: str):
+def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: float, pages: int, form: Form):
     """q_ref [bm, D]; pos_ref [bm] int32; bt_ref [MBp] int32; k_ref, v_ref [NB, bs, KV, D] (whole
     pools; this program's kv head is program_id(1)); o_ref [bm, D]."""
     bs, d = k_ref.shape[1], k_ref.shape[3]
@@ -74,7 +100,7 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
     n_tiles = jnp.where(last >= 0, last // tile + 1, 0)
 
     def body(j, carry):
-        acc, m, l = carry  # [bm, D] [bm] [bm] f32
+        acc, m, denom = carry  # [bm, D] [bm] [bm] f32: the running PV sum, max and probability sum
         ids = bt_ref[pl.ds(j * pages, pages)]  # [pages]
         k = operand(k_ref[ids, :, g].reshape(tile, d))  # [tile, D]
         v = operand(v_ref[ids, :, g].reshape(tile, d))
@@ -88,16 +114,16 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
         alpha = jnp.exp(m - m_safe)
         v = jnp.where((kpos <= last)[:, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
         pv = jnp.dot(operand(p), v, preferred_element_type=jnp.float32)  # [bm, D]
-        p_sum = common.pairwise_sum(p) if exact else jnp.sum(p, axis=1)  # [bm]
-        return alpha[:, None] * acc + pv, m_new, alpha * l + p_sum
+        p_sum = pairwise_sum(p) if exact else jnp.sum(p, axis=1)  # [bm]
+        return alpha[:, None] * acc + pv, m_new, alpha * denom + p_sum
 
     init = (
         jnp.zeros(q.shape, jnp.float32),
         jnp.full(pos.shape, -jnp.inf, jnp.float32),
         jnp.zeros(pos.shape, jnp.float32),
     )
-    acc, _, l = lax.fori_loop(0, n_tiles, body, init)
-    out = jnp.where((pos >= 0)[:, None], acc / l[:, None], 0.0)  # padding rows: l = 0 -> zeros
+    acc, _, denom = lax.fori_loop(0, n_tiles, body, init)
+    out = jnp.where((pos >= 0)[:, None], acc / denom[:, None], 0.0)  # padding rows: denom = 0 -> zeros
     o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -109,11 +135,10 @@ def paged_attention(
     positions,
     scale: float,
     *,
-    block_rows: int,
-    pages: int,
+    tiling: AttentionTiling,
     interpret: bool,
-    form: str | None = None,
-):
+    form: Form | None = None,
+) -> jax.Array:
     """q [B, T, H, D]; k_cache, v_cache [NB, bs, KV, D]; block_tables [B, MB] int32;
     positions [B, T] int32 (< 0 = padding). Returns [B, T, H, D] in q's dtype. form: the
     body's form (see the module docstring), None = `default_form(interpret)`.
@@ -125,6 +150,7 @@ def paged_attention(
     form = form or default_form(interpret)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
+    block_rows, pages = tiling.block_rows, tiling.pages
     b, t, h, d = q.shape
     kvh = k_cache.shape[2]
     rep = h // kvh
@@ -149,7 +175,9 @@ def paged_attention(
         out_specs=row_spec,
         out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
         interpret=interpret,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=(
+            None if interpret else pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+        ),
         name=f"paged_attention_bm{block_rows}_p{pages}",
     )(rows, row_pos, tables, k_cache, v_cache)
     out = out[:, :, :m].reshape(b, kvh, t, rep, d).transpose(0, 2, 1, 3, 4)

@@ -3,7 +3,7 @@
 Owns: how a row's keys and values land in the block pool, how a row attends to the cache, and the
 shapes the kernel shares with it (the key tile: `TILE_KEYS`, `tile_pages`; the least row count of
 a row matrix: `MIN_ROWS`), and the op the kernel borrows under the interpreter: `widen` (a dot
-operand); the tile's probability sum is `common.pairwise_sum` on both sides.
+operand); the tile's probability sum is `reductions.pairwise_sum` on both sides.
 
 Layout: k_cache / v_cache [NB, bs, KV, D] (one attention layer); block_tables [B, MB] int32 map a
 sequence's logical block j to a physical block; token position p lives in block
@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.common import pairwise_sum
+from kernels_pallas.reductions import pairwise_sum
 
 TILE_KEYS = 64  # keys per tile: tile_pages(bs) blocks, read per loop step
 MIN_ROWS = 2  # a row matrix has at least this many rows (padding rows at position -1)
@@ -49,9 +49,9 @@ def widen(x, dtype):
 
     NOTE: a product of two bfloat16 or float16 values is exact in float32, so a float32 dot of
     widened operands is the q-dtype dot with float32 accumulation; and XLA CPU sums a float32 dot
-    of given shapes alike in any program (measured), while its bfloat16 dots (YNNPACK) do not: the
-    same [80, 16] x [16, 64] score dot differed between the kernel and this reference in the last
-    bit of ~2% of its elements. A no-op in float32.
+    of given shapes alike in any program, while its bfloat16 dots (YNNPACK) sum in an order that
+    depends on the surrounding program, so the kernel's score dot and this reference's would
+    differ in the last bit. A no-op in float32.
     """
     return x.astype(dtype).astype(jnp.float32)
 
@@ -113,7 +113,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         return widen(blocks.reshape(b, tile, kvh, d).transpose(0, 2, 1, 3), q.dtype)
 
     def body(j, carry):
-        acc, mx, l = carry  # [B, KV, Mp, D] [B, KV, Mp] [B, KV, Mp] f32
+        acc, mx, denom = carry  # [B, KV, Mp, D] [B, KV, Mp] [B, KV, Mp] f32: running PV sum, max, probability sum
         ids = lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [B, pages]
         k, v = load(k_cache, ids), load(v_cache, ids)  # [B, KV, tile, D]
         kpos = j * tile + jnp.arange(tile)  # [tile]
@@ -127,10 +127,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         live = kpos[None, :] <= last[:, None]  # [B, tile]
         v = jnp.where(live[:, None, :, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
         pv = jnp.einsum("bgms,bgsd->bgmd", widen(p, q.dtype), v, preferred_element_type=f32)  # [B, KV, Mp, D]
-        acc_new, l_new = alpha[..., None] * acc + pv, alpha * l + pairwise_sum(p)
+        acc_new, denom_new = alpha[..., None] * acc + pv, alpha * denom + pairwise_sum(p)
         # A sequence past its last tile keeps its carry (its kernel program has stopped walking).
         walking = (j < n_tiles)[:, None, None]  # [B, 1, 1]
-        return jnp.where(walking[..., None], acc_new, acc), jnp.where(walking, m_new, mx), jnp.where(walking, l_new, l)
+        return (
+            jnp.where(walking[..., None], acc_new, acc),
+            jnp.where(walking, m_new, mx),
+            jnp.where(walking, denom_new, denom),
+        )
 
     init = (jnp.zeros((b, kvh, mp, d), f32), jnp.full((b, kvh, mp), -jnp.inf, f32), jnp.zeros((b, kvh, mp), f32))
     max_tiles = tables.shape[1] // pages
@@ -140,9 +144,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         carry = init
         for j in range(max_tiles):
             carry = body(j, carry)
-        acc, _, l = carry
+        acc, _, denom = carry
     else:
-        acc, _, l = lax.fori_loop(0, jnp.max(n_tiles), body, init)
-    out = jnp.where((row_pos >= 0)[:, None, :, None], acc / l[..., None], 0.0)  # padding rows: l = 0 -> 0
+        acc, _, denom = lax.fori_loop(0, jnp.max(n_tiles), body, init)
+    out = jnp.where((row_pos >= 0)[:, None, :, None], acc / denom[..., None], 0.0)  # padding rows: denom = 0 -> 0
     out = out[:, :, :m].reshape(b, kvh, t, rep, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, h, d).astype(q.dtype)

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Union
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 KINDS = ("logits", "values", "tokens")
-Step = Union[int, str]  # a step index, or "prefill"
+Step = int | str  # a step index, or "prefill"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +89,9 @@ def bounded(rtol: float, reason: str) -> Contract:
 
 def combine(a: Contract, b: Contract) -> Contract:
     """The contract of a run that differs from the reference in both a's and b's way."""
-    if not a.bounded:
+    if a.rtol is None:
         return b
-    if not b.bounded:
+    if b.rtol is None:
         return a
     return bounded(max(a.rtol, b.rtol), f"{a.reason}; {b.reason}")
 
@@ -108,7 +108,7 @@ class PartDiff:
     argmax_equal: bool = True
     first: dict | None = None
     violation: dict | None = None
-    bad_rows: np.ndarray | None = None
+    bad_rows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
 
 
 def _unsigned(a: np.ndarray) -> np.ndarray:
@@ -138,9 +138,9 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
     """Compare one part pair element by element under `contract` (see the module invariants)."""
     a, b = ref.data, got.data
     if (ref.name, ref.kind, a.shape, a.dtype) != (got.name, got.kind, b.shape, b.dtype):
-        where = {"part": ref.name, "note": f"{ref.name} {a.shape} {a.dtype} vs {got.name} {b.shape} {b.dtype}"}
+        note = {"part": ref.name, "note": f"{ref.name} {a.shape} {a.dtype} vs {got.name} {b.shape} {b.dtype}"}
         rows = max(_rows2d(a).shape[0], _rows2d(b).shape[0])
-        return PartDiff(max(a.nbytes, b.nbytes), float("inf"), None, False, where, where, np.ones(rows, bool))
+        return PartDiff(max(a.nbytes, b.nbytes), float("inf"), None, False, note, note, np.ones(rows, bool))
     a2, b2 = _rows2d(a), _rows2d(b)
     ua, ub = _unsigned(a2), _unsigned(b2)
     neq = ua != ub
@@ -165,6 +165,7 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
         out.argmax_equal = not ints
 
     def where(r: int, c: int, why: str) -> dict:
+        u = ulp
         d = {
             "part": ref.name,
             "row": r,
@@ -173,12 +174,12 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
             "replay": b2[r, c].item() if ints else float(fb[r, c]),
             "reference_hex": _hex(ua[r, c]),
             "replay_hex": _hex(ub[r, c]),
-            "ulp": None if ulp is None else int(ulp[r, c]),
+            "ulp": None if u is None else int(u[r, c]),
             "abs_diff": float(absd[r, c]),
             "max_abs_diff": out.max_abs,
             "why": why,
         }
-        if am_a is not None:
+        if am_a is not None and am_b is not None:
             d.update(argmax_reference=int(am_a[r]), argmax_replay=int(am_b[r]), argmax_equal=bool(am_a[r] == am_b[r]))
         return d
 
@@ -200,6 +201,8 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
         if bad[r].any():
             out.violation = where(r, int(np.nonzero(bad[r])[0][0]), why)
         else:
+            # A row is bad with no bad element only through the argmax rule, so am_b exists.
+            assert am_b is not None
             out.violation = where(r, int(am_b[r]), "argmax differs")
     return out
 
@@ -215,8 +218,8 @@ def diff_parts(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> 
 
 @dataclasses.dataclass
 class Comparison:
-    """A replay against the reference. Byte-level fields follow the original (`prefill_equal`,
-    `steps`, `mismatched_steps`, `first_mismatch`, `max_mismatched_bytes`); `first_diff` locates
+    """A replay against the reference. Byte-level fields (`prefill_equal`, `steps`,
+    `mismatched_steps`, `first_mismatch`, `max_mismatched_bytes`); `first_diff` locates
     the first differing element (step, part, row, vocab index, both values in hex, ULP);
     `violating_steps` / `first_violation` say where the contract broke; `ok` is the verdict."""
 
@@ -243,8 +246,10 @@ def compare(variant: str, reference: Run, run: Run, contract: Contract) -> Compa
     """`run` against `reference`: the prefill parts, then every step's parts, under `contract`."""
     units: list[tuple[Step, list[Part], list[Part]]] = [("prefill", reference.prefill, run.prefill)]
     units += [(s, a, b) for s, (a, b) in enumerate(zip(reference.steps, run.steps))]
-    per_step_bytes, violating = [], []
-    first_diff = first_violation = None
+    per_step_bytes: list[int] = []
+    violating: list[Step] = []
+    first_diff: dict | None = None
+    first_violation: dict | None = None
     max_abs, max_ulp, argmax_equal, prefill_equal = 0.0, None, True, True
     for step, a, b in units:
         diffs = diff_parts(a, b, contract)
@@ -265,7 +270,7 @@ def compare(variant: str, reference: Run, run: Run, contract: Contract) -> Compa
         if any(d.violation is not None for d in diffs):
             violating.append(step)
     if len(reference.steps) != len(run.steps):
-        note = {
+        note: dict[str, Any] = {
             "step": min(len(reference.steps), len(run.steps)),
             "note": f"{len(reference.steps)} reference steps, {len(run.steps)} replayed",
         }

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -39,12 +40,13 @@ from metrale_jax.diff.compare import (
     without_rows,
 )
 from metrale_jax.diff.layout import SequenceBatch
-from metrale_jax.diff.progress import Progress
+from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import describe, failure_line
 from metrale_jax.diff.schedule import control_row
 from metrale_jax.diff.state import perturbed, state_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, compare_all, replay_all, selected
+from metrale_jax.engine.inputs import SwapRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Spill:
     """Spill every sequence before step `at`, then restore `restore(own records)`."""
 
     at: int
-    restore: Callable[[list[dict]], list[dict]] = lambda own: own
+    restore: Callable[[list[SwapRecord]], list[SwapRecord]] = lambda own: own
 
 
 @dataclasses.dataclass
@@ -62,7 +64,7 @@ class Decoded:
 
     tokens: list[list[int]]
     run: Run
-    records: list[dict] = dataclasses.field(default_factory=list)
+    records: list[SwapRecord] = dataclasses.field(default_factory=list)
     moves: list[dict] = dataclasses.field(default_factory=list)
 
 
@@ -74,7 +76,7 @@ def run_decode(
     tokens: list[list[int]] | None = None,
     fragment: bool = False,
     spill: Spill | None = None,
-    progress: Progress = Progress(),
+    progress: Progress = SILENT,
 ) -> Decoded:
     """Prefill `rows` (one sequence each, batch order), then `steps` `decode_batch` steps.
     tokens: per row, the steps + 1 tokens to feed (None: greedy from the run's own logits)."""
@@ -110,13 +112,14 @@ def _changed(tokens: list[list[int]], row: int, at: int, vocab: int) -> list[lis
 def diff_prompts(engine, variants: Sequence[Variant], *, n_prompts: int, steps: int, progress: Progress):
     """Default mode. Returns (report fields, reasons)."""
     vocab = engine.cfg.vocab_size
-    sections, reasons, control = [], [], None
+    sections: list[dict] = []
+    reasons: list[str] = []
+    control: Comparison | None = None
     for p, prompt in enumerate(prompts(n_prompts, vocab)):
         progress.section(f"prompt {p}", (len(variants) + 1 + (p == 0)) * (steps + 1))
         ref = run_decode(engine, [prompt], steps, progress=progress)
-        runs = replay_all(
-            engine, variants, lambda: run_decode(engine, [prompt], steps, tokens=ref.tokens, progress=progress).run
-        )
+        replay = functools.partial(run_decode, engine, [prompt], steps, tokens=ref.tokens, progress=progress)
+        runs = [d.run for d in replay_all(engine, variants, replay)]
         comparisons, timings = compare_all(variants, ref.run, runs)
         reasons += [failure_line(f"prompt {p}", c) for c in comparisons if not c.ok]
         sections.append({"tokens": len(prompt), "comparisons": [c.to_json() for c in comparisons], "timings": timings})
@@ -126,6 +129,7 @@ def diff_prompts(engine, variants: Sequence[Variant], *, n_prompts: int, steps: 
             control = compare(f"{REFERENCE}, token changed at step {at}", ref.run, r.run, BIT_IDENTICAL)
             if not saw_difference(control):
                 reasons.append("the detection control saw no difference after changing a token")
+    assert control is not None, "prompt 0 runs the control (DiffRequest.check: at least one prompt)"
     return {"prompts": sections, "detection_control": control.to_json()}, reasons
 
 
@@ -139,11 +143,10 @@ def diff_widths(
         progress.section(f"batch n={n}", (len(variants) + 2) * (steps + 1))
         rows = batch_prompts(n, vocab)
         ref = run_decode(engine, rows, steps, fragment=fragment, progress=progress)
-        runs = replay_all(
-            engine,
-            variants,
-            lambda: run_decode(engine, rows, steps, tokens=ref.tokens, fragment=fragment, progress=progress).run,
+        replay = functools.partial(
+            run_decode, engine, rows, steps, tokens=ref.tokens, fragment=fragment, progress=progress
         )
+        runs = [d.run for d in replay_all(engine, variants, replay)]
         left_out = [_left_out(ref.run, r, v.contract) for v, r in zip(variants, runs)]
         comparisons = [
             compare(v.label, without_rows(ref.run, skip), without_rows(r, skip), v.contract)

@@ -23,7 +23,7 @@ import jaxlib
 
 from metrale_jax.diff.decode import diff_prompts, diff_swap, diff_widths
 from metrale_jax.diff.prefill import diff_prefill
-from metrale_jax.diff.progress import Progress
+from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.request import DiffRequest, DiffRequestError
 from metrale_jax.diff.variants import REFERENCE, Variant, disclosed
 from metrale_jax.diff.verify import diff_verify, verify_plan
@@ -52,7 +52,7 @@ def run_diff(
     request: DiffRequest,
     variants: Sequence[Variant],
     unavailable: Sequence[dict] = (),
-    progress: Progress = Progress(),
+    progress: Progress = SILENT,
 ) -> dict:
     """Run `request` on `engine`: the reference forward, then each of `variants` replaying it.
     `unavailable` lists forwards that could not run ({name, reason}), reported as such.

@@ -22,23 +22,28 @@ from collections.abc import Sequence
 import numpy as np
 
 from metrale_jax.diff.schedule import slot_of
+from metrale_jax.engine.capacity import MIN_PREFILL_BUCKET
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.inputs import SwapRecord
+from metrale_jax.engine.sequences import SequenceState
+from metrale_jax.errors import MetraleError
 
-PREFILL_CHUNK = 16
+PREFILL_CHUNK = MIN_PREFILL_BUCKET
 
 
-class LayoutError(RuntimeError):
+class LayoutError(MetraleError, RuntimeError):
     """The engine's slots are not where a diff run needs them (another sequence is live)."""
 
 
 class SequenceBatch:
     """`n` sequences of `engine` for one run; `seqs` in batch order (see the module docstring)."""
 
-    def __init__(self, engine, n: int, fragment: bool = False):
+    def __init__(self, engine: Engine, n: int, fragment: bool = False):
         self.engine, self.n, self.fragment = engine, n, fragment
-        self.seqs: list = []
-        self._allocated: list = []
+        self.seqs: list[SequenceState] = []
+        self._allocated: list[SequenceState] = []
 
-    def _alloc(self):
+    def _alloc(self) -> SequenceState:
         seq = self.engine.alloc_sequence()
         self._allocated.append(seq)
         return seq
@@ -71,7 +76,7 @@ class SequenceBatch:
         """Prefill sequence i with prompts[i]; returns the last positions' logits [n, vocab]."""
         return np.stack([self.engine.prefill(s, p, PREFILL_CHUNK) for s, p in zip(self.seqs, prompts)])
 
-    def relocate(self, records: Sequence[dict], spacer_prompt: Sequence[int]) -> list[dict]:
+    def relocate(self, records: Sequence[SwapRecord], spacer_prompt: Sequence[int]) -> list[dict]:
         """Spill and restore: free every sequence, let a spacer sequence (prefilled with
         `spacer_prompt`) take the first freed slot and KV blocks, then restore `records[i]`
         into a new sequence i, which therefore lands on another slot and other blocks.

@@ -29,12 +29,13 @@ from metrale_jax.diff.prompts import prompt_of_len
 from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.state import digests, state_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, selected
+from metrale_jax.engine.engine import Engine
 
 #: The declared bound of a chunked prefill against a single pass (f32 model).
 CHUNK_RTOL = 1e-3
 
 
-def run_prefill(engine, prompt: Sequence[int], chunk: int | None) -> tuple[Run, float]:
+def run_prefill(engine: Engine, prompt: Sequence[int], chunk: int | None) -> tuple[Run, float]:
     """Prefill `prompt` into a fresh sequence `chunk` tokens at a time (None: the serve's
     chunk). Returns (run with the logits and state parts as its prefill, prefill ms)."""
     with SequenceBatch(engine, 1) as batch:
@@ -64,7 +65,7 @@ def _outputs(run: Run) -> Run:
 
 
 def diff_prefill(
-    engine, variants: Sequence[Variant], *, lengths: Sequence[int], chunks: Sequence[int], progress: Progress
+    engine: Engine, variants: Sequence[Variant], *, lengths: Sequence[int], chunks: Sequence[int], progress: Progress
 ):
     """`--prefill`. Returns (report fields, reasons)."""
     vocab, cap = engine.cfg.vocab_size, engine.counts.prefill_chunk

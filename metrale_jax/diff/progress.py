@@ -1,15 +1,23 @@
 """Progress of a diff: sections of known size, advanced once per prefill and per step.
 
-Owns: `Progress` (the silent sink the library defaults to) and `Bar` (a one-line bar on a
-terminal stream, which the CLI passes). Invariant: progress never writes to stdout, and a bar
-draws nothing when its stream is not a terminal.
+Owns: `Progress` (the silent sink; `SILENT` is the library functions' default) and `Bar` (one
+rich progress line per section on a terminal stream, which the CLI passes).
+
+Invariants:
+- Progress never writes to stdout: a `Bar` draws on its own stream (stderr by default) and
+  redirects neither stdout nor stderr while it is live.
+- A `Bar` draws nothing, and starts no display, when its stream is not a terminal.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
+
+from rich.console import Console
+from rich.progress import Progress as RichProgress
+from rich.progress import ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 
 class Progress:
@@ -26,37 +34,55 @@ class Progress:
         pass
 
 
-class Bar(Progress):
-    """A bar redrawn in place on `stream` (stderr), with the section's elapsed seconds."""
+#: The default of every library function that reports progress: draws nothing.
+SILENT = Progress()
+
+
+class _HashBar(ProgressColumn):
+    """`[####....]`: a fixed-width ASCII bar (plain text, so a pipe or log shows no box glyphs)."""
 
     WIDTH = 24
+
+    def render(self, task: Task) -> Text:
+        total = task.total or 1
+        fill = int(self.WIDTH * min(task.completed, total) // total)
+        return Text(f"[{'#' * fill}{'.' * (self.WIDTH - fill)}]")
+
+
+class Bar(Progress):
+    """A rich progress display on `stream` (stderr): one line per section (label, bar, done/total,
+    the section's elapsed time), finished sections left in place; `close()` ends the display."""
 
     def __init__(self, stream: TextIO = sys.stderr):
         self.stream = stream
         self.live = stream.isatty()
-        self.label, self.total, self.done, self.t0 = "", 0, 0, 0.0
+        self._display: RichProgress | None = None
+        self._task: TaskID | None = None
+        self._done, self._total = 0, 0
 
     def section(self, label: str, total: int) -> None:
-        self.close()
-        self.label, self.total, self.done, self.t0 = label, max(total, 1), 0, time.monotonic()
-        self._draw()
-
-    def advance(self, units: int = 1) -> None:
-        self.done = min(self.done + units, self.total)
-        self._draw()
-
-    def close(self) -> None:
-        if self.live and self.label:
-            self.stream.write("\n")
-            self.stream.flush()
-        self.label = ""
-
-    def _draw(self) -> None:
         if not self.live:
             return
-        fill = self.WIDTH * self.done // self.total
-        self.stream.write(
-            f"\r{self.label} [{'#' * fill}{'.' * (self.WIDTH - fill)}] "
-            f"{self.done}/{self.total} {time.monotonic() - self.t0:.0f}s"
-        )
-        self.stream.flush()
+        if self._display is None:
+            self._display = RichProgress(
+                TextColumn("{task.description}"),
+                _HashBar(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                console=Console(file=self.stream),
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            self._display.start()
+        self._done, self._total = 0, max(total, 1)
+        self._task = self._display.add_task(label, total=self._total)
+
+    def advance(self, units: int = 1) -> None:
+        if self._display is not None and self._task is not None:
+            self._done = min(self._done + units, self._total)
+            self._display.update(self._task, completed=self._done)
+
+    def close(self) -> None:
+        if self._display is not None:
+            self._display.stop()
+        self._display, self._task = None, None

@@ -1,6 +1,6 @@
 """The diff's prompts: fixed 64-bit LCG streams, so every report is comparable run to run.
 
-Owns: the three generators of the original tool (same seeds, lengths and token range):
+Owns: the three generators (fixed seeds, lengths and token range):
 `prompts` (decode, verify and swap modes), `batch_prompts` (batch and verify-batch modes) and
 `prompt_of_len` (prefill mode).
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from metrale_jax.diff.compare import Comparison
+from metrale_jax.text_table import text_table
 
 
 def _step(loc: dict) -> str:
@@ -92,7 +93,7 @@ def _contract(text: str) -> str:
 
 def _table(comparisons: list[dict]) -> list[str]:
     head = ("variant", "contract", "prefill", "mismatched", "first mismatch", "max |Δ|", "")
-    rows = [head]
+    rows = []
     for c in comparisons:
         rows.append(
             (
@@ -105,8 +106,7 @@ def _table(comparisons: list[dict]) -> list[str]:
                 "ok" if c["ok"] else "FAIL",
             )
         )
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
-    return ["  " + "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return text_table(head, rows, indent="  ")
 
 
 def _control(c: dict | None) -> list[str]:
@@ -123,7 +123,7 @@ def _control(c: dict | None) -> list[str]:
 def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str]]]:
     """(title, comparisons, control, extra lines) per table."""
     mode = report["mode"]
-    out = []
+    out: list[tuple[str, list[dict], dict | None, list[str]]] = []
     if mode == "default":
         out = [
             (f"prompt {i} ({p['tokens']} tokens)", p["comparisons"], None, []) for i, p in enumerate(report["prompts"])

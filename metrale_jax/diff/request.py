@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from metrale_jax.errors import MetraleError
+
 MODES = ("default", "batch", "verify", "verify-batch", "prefill", "swap")
 K_RANGE = (2, 4)
 
 
-class DiffRequestError(ValueError):
+class DiffRequestError(MetraleError, ValueError):
     """A diff request that cannot run (bad flag combination, or an engine that cannot serve it)."""
 
 

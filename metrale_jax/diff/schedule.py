@@ -1,6 +1,6 @@
 """What the verify diffs feed and how they count: shapes, slots, caps, drafts, accepts, controls.
 
-Owns the pure, host-side rules of the original tool (the seed's unit cases test each one):
+Owns the pure, host-side rules (tests/test_diff.py's unit cases test each one):
 `batch_shapes` (uniform shapes per K, then one ragged shape deepest first), `slot_of` (where
 `--fragment-slots` puts each sequence), `capped` (each K capped by its slot's verify capacity),
 `offsets`, `step_drafts` (the greedy continuation with one draft corrupted on odd steps),

@@ -14,13 +14,16 @@ Invariants:
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 
+import jax
 import ml_dtypes
 import numpy as np
 
+from metrale_jax.config import ModelConfig
 from metrale_jax.diff.compare import Part
+from metrale_jax.engine.inputs import SwapRecord
 
 
 def _positions(kv: np.ndarray, n: int) -> np.ndarray:
@@ -28,30 +31,32 @@ def _positions(kv: np.ndarray, n: int) -> np.ndarray:
     return kv.reshape(-1, *kv.shape[2:])[:n]
 
 
-def state_parts(cfg, record: dict) -> list[Part]:
+def state_parts(cfg: ModelConfig, record: SwapRecord) -> list[Part]:
     """The parts of a `save_sequence_state` record of a sequence of model `cfg`."""
-    dev, n = record["device"], record["seq_len"]
+    dev, n = record.device, record.seq_len
     lin = {layer: j for j, layer in enumerate(cfg.linear_layer_ids)}
     full = {layer: j for j, layer in enumerate(cfg.full_layer_ids)}
     parts = []
     for layer in range(cfg.num_hidden_layers):
         if layer in lin:
             parts += [
-                Part(f"layer {layer} gdn h", dev["gdn_h"][lin[layer]], "values"),
-                Part(f"layer {layer} gdn conv", dev["gdn_conv"][lin[layer]], "values"),
+                Part(f"layer {layer} gdn h", dev.gdn_h[lin[layer]], "values"),
+                Part(f"layer {layer} gdn conv", dev.gdn_conv[lin[layer]], "values"),
             ]
         else:
             parts += [
-                Part(f"layer {layer} kv {t}", _positions(dev[f"kv_{t}"][full[layer]], n), "values") for t in ("k", "v")
+                Part(f"layer {layer} kv {t}", _positions(kv[full[layer]], n), "values")
+                for t, kv in (("k", dev.kv_k), ("v", dev.kv_v))
             ]
-    if "stash" in dev:
-        parts.append(Part("mtp stash", dev["stash"][None], "values"))
+    if dev.stash is not None:
+        assert dev.draft_k is not None and dev.draft_v is not None  # saved with the stash
+        parts.append(Part("mtp stash", dev.stash[None], "values"))
         parts += [
-            Part(f"mtp layer {m} kv {t}", _positions(dev[f"draft_{t}"][m], record["drafter_len"]), "values")
-            for m in range(dev["draft_k"].shape[0])
-            for t in ("k", "v")
+            Part(f"mtp layer {m} kv {t}", _positions(kv[m], record.drafter_len), "values")
+            for m in range(dev.draft_k.shape[0])
+            for t, kv in (("k", dev.draft_k), ("v", dev.draft_v))
         ]
-    return parts + [Part("tokens", np.asarray(record["tokens"], np.int32), "tokens")]
+    return parts + [Part("tokens", np.asarray(record.tokens, np.int32), "tokens")]
 
 
 def digests(parts: list[Part]) -> list[dict]:
@@ -64,19 +69,18 @@ def digests(parts: list[Part]) -> list[dict]:
     return out
 
 
-def perturbed(record: dict) -> tuple[dict, str]:
+def perturbed(record: SwapRecord) -> tuple[SwapRecord, str]:
     """A copy of `record` with the top mantissa bit of one live element flipped (its value moves
-    by a quarter to a half, like the original's 0x40 byte flip): the largest |value| of the
-    first GDN layer's h, else the first attention layer's first K element. Returns (record,
-    where). One ULP is too weak: the model's rounding downstream can absorb it."""
-    rec = copy.deepcopy(record)
-    dev = rec["device"]
-    if dev["gdn_h"].size:
-        target, name = dev["gdn_h"][0], "gdn_h of the first GDN layer"
+    by a quarter to a half): the largest |value| of the first GDN layer's h, else the first
+    attention layer's first K element. Returns (record, where). NOTE: one ULP is too weak: the
+    model's rounding downstream can absorb it."""
+    dev = jax.tree_util.tree_map(np.array, record.device)  # writable copies
+    if dev.gdn_h.size:
+        target, name = dev.gdn_h[0], "gdn_h of the first GDN layer"
         i = int(np.abs(target.astype(np.float64)).reshape(-1).argmax())
     else:
-        target, name, i = dev["kv_k"][0], "K of the first attention layer", 0
+        target, name, i = dev.kv_k[0], "K of the first attention layer", 0
     bit = ml_dtypes.finfo(target.dtype).nmant - 1
     bits = target.reshape(-1).view(np.dtype(f"u{target.dtype.itemsize}"))
     bits[i] ^= bits.dtype.type(1 << bit)
-    return rec, f"{name}, element {i}, mantissa bit {bit}"
+    return dataclasses.replace(record, device=dev), f"{name}, element {i}, mantissa bit {bit}"

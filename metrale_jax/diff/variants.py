@@ -1,7 +1,7 @@
 """The forwards a diff compares, what each promises, and the replay of all of them.
 
-Owns: `Variant` (report label, engine forward name, contract), the reference (`xla`, the
-original's "legacy"), `default_variants` (`xla-repeat`, then every other forward the engine
+Owns: `Variant` (report label, engine forward name, contract), the reference (`xla`),
+`default_variants` (`xla-repeat`, then every other forward the engine
 has, each either available or reported unavailable with the reason), `replay_all` /
 `compare_all` (one replay per variant, judged against the reference run) and `disclosed` (what
 each forward compiled).
@@ -26,9 +26,9 @@ from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, b
 from metrale_jax.engine.engine import FORWARDS, make_ops
 
 REFERENCE = "xla"
-#: The declared bound of a forward with other kernels (f32 logits; measured ≤ 3e-6 relative
-#: for `pallas` in interpret mode on CPU, so this leaves a wide margin while an indexing or
-#: state bug, which moves logits by O(1), stays far outside it).
+#: The declared bound of a forward with compiled kernels (f32 logits): another reduction order
+#: moves logits by rounding-level amounts, far inside it, while an indexing or state bug,
+#: which moves logits by O(1), stays far outside it.
 OTHER_FORWARD_RTOL = 1e-3
 
 
@@ -80,8 +80,8 @@ def selected(engine, forward: str):
         engine.set_forward(REFERENCE)
 
 
-def replay_all(engine, variants: Sequence[Variant], replay: Callable[[], Run]) -> list[Run]:
-    """`replay()` once under each variant's forward, in order."""
+def replay_all[T](engine, variants: Sequence[Variant], replay: Callable[[], T]) -> list[T]:
+    """`replay()` once under each variant's forward, in order: one result per variant."""
     runs = []
     for v in variants:
         with selected(engine, v.forward):

@@ -1,4 +1,4 @@
-"""The verify family: `--verify K,..` (one sequence) and `--verify-batch n,..` (the seed).
+"""The verify family: `--verify K,..` (one sequence) and `--verify-batch n,..`.
 
 Owns: `run_verify`, the one run loop of the family (the scheduler's step after every verdict,
 as `speculative_generate` runs it), `verify_plan` (the widths and capped shapes each mode
@@ -19,22 +19,22 @@ Invariants:
   logged tokens and accept counts and never recomputes them.
 - A shape whose reference saw no full accept or no partial accept fails ("it needs both").
 - The control (reference forward) changes the last draft of sequence n // 2 halfway.
-- With the drafter, two identical one-step reference runs go first at each width: the original
-  discarded its process's first run because that first propose differed; here the drafter's
-  state is a pure function of the steps, so the two must agree, and `drafter_warmup` reports
-  whether they did (and so whether a run was discarded).
+- With the drafter, two identical one-step reference runs go first at each width: the drafter's
+  state is a pure function of the steps, so the two must agree; `drafter_warmup` reports
+  whether they did (a disagreement reports one run as discarded).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, compare, saw_difference
 from metrale_jax.diff.decode import run_decode
 from metrale_jax.diff.layout import SequenceBatch
-from metrale_jax.diff.progress import Progress
+from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.schedule import (
@@ -69,7 +69,7 @@ def run_verify(
     log: Sequence[Logged] | None = None,
     fragment: bool = False,
     num_drafts: int | None = None,
-    progress: Progress = Progress(),
+    progress: Progress = SILENT,
 ) -> tuple[list[Logged], Run]:
     """One run of `steps` verify steps of `rows` at widths `ks` (see the module docstring).
     Exactly one of `greedy` (reference: drafts from each row's greedy continuation, accepts
@@ -90,6 +90,7 @@ def run_verify(
             if log is not None:
                 tokens = list(log[s].tokens)
             else:
+                assert greedy is not None  # exactly one of greedy and log (checked above)
                 tokens = [t for i in range(n) for t in [last[i], *step_drafts(greedy[i], pos[i], s + i, ks[i], vocab)]]
             reason = engine.can_batch_verify(seqs, ks)
             if reason:
@@ -108,8 +109,10 @@ def run_verify(
             for i, seq in enumerate(seqs):
                 engine.rewind(seq, ks[i] - 1 - na[i])
                 engine.commit_accepted_prefix(seq, na[i] + 1, ks[i])
-                replayed_next = log is not None and s + 1 < len(log)
-                last[i] = log[s + 1].tokens[off[i]] if replayed_next else int(argmax[off[i] + na[i]])
+                if log is not None and s + 1 < len(log):  # a replay feeds the next logged token
+                    last[i] = log[s + 1].tokens[off[i]]
+                else:
+                    last[i] = int(argmax[off[i] + na[i]])
                 pos[i] += na[i] + 1
             parts = [Part("verify logits", logits, "logits")]
             if num_drafts:
@@ -179,26 +182,20 @@ def diff_verify(
             probe = mtp and j == 0
             progress.section(where, (len(variants) + 2) * (steps + 1) + 4 * probe)
 
-            def reference(k=steps):
-                return run_verify(
-                    engine, rows, ks, k, greedy=greedy, fragment=fragment, num_drafts=nd, progress=progress
-                )
-
-            if probe:
-                equal = compare("first propose", reference(1)[1], reference(1)[1], BIT_IDENTICAL).ok
-                warmups.append({"rows": n, "first_proposes_equal": equal, "discarded_run": not equal})
-            log, ref = reference()
-            runs = replay_all(
-                engine,
-                variants,
-                lambda: run_verify(
-                    engine, rows, ks, steps, log=log, fragment=fragment, num_drafts=nd, progress=progress
-                )[1],
+            verify = functools.partial(
+                run_verify, engine, rows, ks, fragment=fragment, num_drafts=nd, progress=progress
             )
+            if probe:
+                equal = compare(
+                    "first propose", verify(1, greedy=greedy)[1], verify(1, greedy=greedy)[1], BIT_IDENTICAL
+                ).ok
+                warmups.append({"rows": n, "first_proposes_equal": equal, "discarded_run": not equal})
+            log, ref = verify(steps, greedy=greedy)
+            runs = [run for _, run in replay_all(engine, variants, functools.partial(verify, steps, log=log))]
             comparisons, timings = compare_all(variants, ref, runs)
             at, row = steps // 2, offsets(ks)[n // 2] + ks[n // 2] - 1
             changed = _changed(log, at, row, engine.cfg.vocab_size)
-            _, r = run_verify(engine, rows, ks, steps, log=changed, fragment=fragment, num_drafts=nd, progress=progress)
+            _, r = verify(steps, log=changed)
             control = compare(f"{REFERENCE}, one draft changed (step {at}, row {row})", ref, r, BIT_IDENTICAL)
             acc = [list(x.accepted) for x in log]
             full, partial = accept_coverage(acc, ks)

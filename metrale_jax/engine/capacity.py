@@ -42,6 +42,8 @@ DRAFT_KV_BLOCK_SIZE = 16
 MAX_PREFILL_CHUNK = 65535
 #: `--max-prefill-tokens` at this value means "not set": the chunk is then capped by the context.
 UNSET_PREFILL_TOKENS = 8192
+#: The shortest prefill bucket, in tokens (`PoolCounts.prefill_bucket`).
+MIN_PREFILL_BUCKET = 16
 
 
 class ModelCounts(Protocol):
@@ -52,36 +54,6 @@ class ModelCounts(Protocol):
 
     @property
     def num_mtp_layers(self) -> int: ...
-
-
-def parse_k_ladder(spec: str) -> KLadder:
-    """Parse a K ladder `"n_max:drafts,n_max:drafts,..."` (e.g. `"4:3,8:3,16:1,32:1"`).
-
-    Contract: whole-or-nothing. Every step is two positive integers joined by `:`, steps are
-    comma-separated, and `n_max` strictly increases (a step that could never be chosen is
-    refused). Whitespace around numbers is ignored. Anything else raises `ValueError` naming
-    the offending part.
-    """
-    text = spec.strip()
-    if not text:
-        raise ValueError("K ladder is empty; expected n_max:drafts steps like 4:3,8:3,16:1,32:1")
-    steps: list[tuple[int, int]] = []
-    for part in text.split(","):
-        fields = part.split(":")
-        if len(fields) != 2 or not all(f.strip().isdigit() for f in fields):
-            raise ValueError(f"K ladder step {part.strip()!r} is not n_max:drafts with two positive integers")
-        n_max, drafts = (int(f) for f in fields)
-        if n_max < 1 or drafts < 1:
-            raise ValueError(f"K ladder step {part.strip()!r}: n_max and drafts must be >= 1")
-        if steps and n_max <= steps[-1][0]:
-            raise ValueError(f"K ladder step {part.strip()!r}: n_max must increase (previous {steps[-1][0]})")
-        steps.append((n_max, drafts))
-    return tuple(steps)
-
-
-def format_k_ladder(ladder: KLadder) -> str:
-    """The `n_max:drafts,...` text of `ladder`; `parse_k_ladder` inverts it."""
-    return ",".join(f"{n}:{k}" for n, k in ladder)
 
 
 def ladder_drafts(n_active: int, num_drafts: int, ladder: KLadder) -> int:
@@ -141,6 +113,15 @@ def kv_blocks_for(sequences: int, tokens: int, block_size: int) -> int:
     write into.
     """
     return sequences * (tokens // block_size + 1) + 1
+
+
+def draft_table_width(max_seq_len: int) -> int:
+    """Entries of a sequence's drafter block table: `max_seq_len // DRAFT_KV_BLOCK_SIZE + 2`.
+
+    It holds every drafter block a sequence of up to `max_seq_len` tokens may reserve (at most
+    `ceil(max_seq_len / DRAFT_KV_BLOCK_SIZE)`); unused entries hold the drafter's null block.
+    """
+    return max_seq_len // DRAFT_KV_BLOCK_SIZE + 2
 
 
 def prefill_chunk_tokens(max_prefill_tokens: int, max_seq_len: int, block_size: int) -> int:
@@ -229,6 +210,35 @@ class PoolCounts:
     def slot_draft_capacity(self, slot: int) -> int:
         """How many drafts a verify on sequence slot `slot` may carry (0 past `mtp_slots`)."""
         return self.slot_drafts[slot] if slot < self.mtp_slots else 0
+
+    @property
+    def dummy_slot(self) -> int:
+        """The padding sequence slot (`slots - 1`), which no real sequence uses."""
+        return self.slots - 1
+
+    @property
+    def null_block(self) -> int:
+        """The paged KV pool's null block (`kv_blocks - 1`), which padding rows write into."""
+        return self.kv_blocks - 1
+
+    @property
+    def draft_null_block(self) -> int:
+        """The drafter KV pool's null block (`draft_kv_blocks - 1`; 0 without a drafter pool)."""
+        return max(self.draft_kv_blocks - 1, 0)
+
+    @property
+    def verify_dummy_slot(self) -> int:
+        """The shared verify dummy (`verify_slots - 1`, i.e. `mtp_slots`); -1 without speculation."""
+        return self.verify_slots - 1
+
+    def verify_row_base(self, slot: int) -> int:
+        """The first flat h-intermediate row of sequence slot `slot`'s verify slot."""
+        return self.h_step_offsets[self.verify_slot(slot)]
+
+    def prefill_bucket(self, n: int) -> int:
+        """The padded length of a prefill chunk of `n` tokens: the next power of two, at least
+        `MIN_PREFILL_BUCKET`, at most `prefill_chunk` (one compiled prefill program per bucket)."""
+        return min(self.prefill_chunk, max(MIN_PREFILL_BUCKET, 1 << (n - 1).bit_length()))
 
 
 def pool_counts(settings: EngineSettings, config: ModelCounts, *, tokens_per_seq: int | None = None) -> PoolCounts:

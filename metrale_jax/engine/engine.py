@@ -13,47 +13,53 @@ Invariants:
   per sequence, so one program per (transition, width bucket, forward) is compiled; K per
   sequence, slots and lengths are traced.
 - Verify is always write-on-accept: after it, `gdn_fold_accepted` must see every verdict before
-  `commit_accepted_prefix` runs (the same order as the original's scheduler).
+  `commit_accepted_prefix` runs (the order of `speculative.speculative_generate`'s scheduler).
+- Every program input is built by its `engine.inputs` constructor (padding rows included) and
+  only its real rows are filled in here; every count and width comes from `capacity`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.ops import Forward, Ops, PallasOps, ReferenceOps
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import transitions as tr
-from metrale_jax.engine.capacity import bucket_width, pool_counts
+from metrale_jax.engine.capacity import bucket_width, draft_table_width, pool_counts
+from metrale_jax.engine.inputs import (
+    PrefillChunk,
+    PrefillStatic,
+    ProposeBatch,
+    ProposeStatic,
+    SequenceAddress,
+    StashBatch,
+    StepBatch,
+    StepStatic,
+    SwapRecord,
+    VerdictBatch,
+)
 from metrale_jax.engine.pool import allocate_pool
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.model.layout import stack_layer_groups
-from metrale_jax.model.state_io import ReferenceOps
 
-FORWARDS = ("xla", "pallas")
+FORWARDS: tuple[str, ...] = get_args(Forward)
 
 
-def make_ops(name: str):
+def make_ops(name: str) -> Ops:
     """The ops object of a forward: `xla` (jnp reference twins) or `pallas` (kernels)."""
     if name == "xla":
         return ReferenceOps()
     if name == "pallas":
-        from kernels_pallas.ops import PallasOps
-
         return PallasOps()
     raise EngineError(f"unknown forward {name!r} (choose from {', '.join(FORWARDS)})")
-
-
-def _i32(x):
-    """Host int32 array for a program argument.
-    NOTE: numpy, not jnp: the compiled call moves it to the device in C++ (~1 us); a jnp.asarray
-    dispatches a conversion op per argument (~90 us each, a dozen per step)."""
-    return np.asarray(x, dtype=np.int32)
 
 
 class Engine:
@@ -87,8 +93,7 @@ class Engine:
         self.replay = settings.ssm_rollback_mode == "replay"
         # seq_id -> (rows verified, seq_len before the verify), until its verdict is committed
         self._verified: dict[int, tuple[list[int], int]] = {}
-        self.mb = self.counts.max_blocks_per_seq
-        self.mbd = settings.max_seq_len // self.counts.draft_block_size + 2
+        self.draft_width = draft_table_width(settings.max_seq_len)  # MBd, the drafter tables' width
 
     # ------------------------------------------------------------ forward selection
 
@@ -142,24 +147,13 @@ class Engine:
             s.blocks += self.blocks.alloc_many(n)
             s.draft_blocks += self.draft_blocks.alloc_many(dn)
 
-    def _tables(self, seqs: Sequence[SequenceState | None]):
-        null, dnull = self.counts.kv_blocks - 1, max(self.counts.draft_kv_blocks - 1, 0)
-        bt = np.full((len(seqs), self.mb), null, np.int32)
-        dt = np.full((len(seqs), self.mbd), dnull, np.int32)
-        for i, s in enumerate(seqs):
-            if s is not None:
-                bt[i, : len(s.blocks)] = s.blocks
-                dt[i, : len(s.draft_blocks)] = s.draft_blocks
-        return _i32(bt), _i32(dt)
-
-    def _static(self, **extra):
-        return dict(cfg=self.cfg, counts=self.counts, ops=self.ops, **extra)
+    @staticmethod
+    def _set_tables(block_tables: np.ndarray, draft_tables: np.ndarray, i: int, seq: SequenceState) -> None:
+        """Write row i of a batch's (null-filled) block and drafter tables from `seq`'s blocks."""
+        block_tables[i, : len(seq.blocks)] = seq.blocks
+        draft_tables[i, : len(seq.draft_blocks)] = seq.draft_blocks
 
     # ------------------------------------------------------------ prefill / decode
-
-    def _prefill_bucket(self, n: int) -> int:
-        cap = self.counts.prefill_chunk
-        return min(cap, max(16, 1 << (n - 1).bit_length()))
 
     def prefill(self, seq: SequenceState, tokens: Sequence[int], chunk: int | None = None) -> np.ndarray:
         """Prefill `tokens` (appended after the sequence's cache) in chunks of at most
@@ -170,78 +164,53 @@ class Engine:
         self._check_tokens(tokens)
         chunk = min(chunk or self.counts.prefill_chunk, self.counts.prefill_chunk)
         self._reserve([seq], [seq.seq_len + len(tokens) + 1])
-        logits = None
+        static = PrefillStatic(self.cfg, self.counts, self.ops, drafter=self.drafter)
         for off in range(0, len(tokens), chunk):
             part = tokens[off : off + chunk]
-            tb = self._prefill_bucket(len(part))
-            padded = np.zeros((1, tb), np.int32)
-            padded[0, : len(part)] = part
-            bt, dt = self._tables([seq])
-            logits, self.pool = self.programs.run(
-                "prefill_chunk",
-                tr.prefill_chunk,
-                self._static(drafter=self.drafter),
-                self.pool,
-                self.params,
-                _i32(padded),
-                _i32([seq.seq_len]),
-                _i32([len(part)]),
-                _i32([seq.slot]),
-                bt,
-                dt,
-            )
+            x = PrefillChunk.padded(self.counts, self.draft_width, self.counts.prefill_bucket(len(part)))
+            x.tokens[0, : len(part)] = part
+            x.start[0], x.length[0], x.slot[0] = seq.seq_len, len(part), seq.slot
+            self._set_tables(x.block_table, x.draft_table, 0, seq)
+            logits, self.pool = self.programs.run("prefill_chunk", tr.prefill_chunk, static, self.pool, self.params, x)
             seq.seq_len += len(part)
             seq.tokens += part
         seq.drafter_len = seq.seq_len - 1
         return np.asarray(logits[0])
 
-    def _check_tokens(self, tokens):
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
         bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise EngineError(f"token(s) {bad[:5]} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
 
-    def _rows(self, seqs, tokens_per_seq: Sequence[Sequence[int]], verify: bool, starts=None, t=None):
+    def _rows(
+        self,
+        seqs: Sequence[SequenceState],
+        tokens_per_seq: Sequence[Sequence[int]],
+        verify: bool,
+        starts: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Run `step_rows` for seqs with ragged rows at positions starts[i].. (default: their
         lengths, which then grow by the rows); returns (logits [R, V], argmax [R]) numpy."""
         n = len(seqs)
         if n == 0:
             raise EngineError("a step over zero sequences")
-        width = bucket_width(n)
-        t = t or (self.counts.k if verify else 1)
-        toks = np.zeros((width, t), np.int32)
-        lens = np.zeros(width, np.int32)
-        seq_lens = np.zeros(width, np.int32)
-        slots = np.full(width, self.counts.slots - 1, np.int32)
-        vrow = np.full(width, self.counts.h_step_offsets[-2] if verify else 0, np.int32)
-        vslot = np.full(width, self.counts.verify_slots - 1 if verify else 0, np.int32)
-        row_index = np.zeros(width * t, np.int32)
+        t = self.counts.k if verify else 1
+        batch = StepBatch.padded(self.counts, self.draft_width, bucket_width(n), t, verify=verify)
         r = 0
         for i, (s, rows) in enumerate(zip(seqs, tokens_per_seq)):
-            toks[i, : len(rows)] = rows
-            lens[i] = len(rows)
-            seq_lens[i] = s.seq_len if starts is None else starts[i]
-            slots[i] = s.slot
+            batch.tokens[i, : len(rows)] = rows
+            batch.lens[i] = len(rows)
+            batch.seq_lens[i] = s.seq_len if starts is None else starts[i]
+            batch.slots[i] = s.slot
             if verify:
-                vrow[i] = self.counts.h_step_offsets[self.counts.verify_slot(s.slot)]
-                vslot[i] = self.counts.verify_slot(s.slot)
-            row_index[r : r + len(rows)] = i * t + np.arange(len(rows))
+                batch.vrow_base[i] = self.counts.verify_row_base(s.slot)
+                batch.vslot[i] = self.counts.verify_slot(s.slot)
+            batch.row_index[r : r + len(rows)] = i * t + np.arange(len(rows))
+            self._set_tables(batch.block_tables, batch.draft_tables, i, s)
             r += len(rows)
-        bt, dt = self._tables(list(seqs) + [None] * (width - n))
+        static = StepStatic(self.cfg, self.counts, self.ops, verify=verify, drafter=self.drafter)
         logits, argmax, hidden, self.pool = self.programs.run(
-            "step_rows",
-            tr.step_rows,
-            self._static(verify=verify, drafter=self.drafter),
-            self.pool,
-            self.params,
-            _i32(toks),
-            _i32(lens),
-            _i32(seq_lens),
-            _i32(slots),
-            bt,
-            dt,
-            _i32(vrow),
-            _i32(vslot),
-            _i32(row_index),
+            "step_rows", tr.step_rows, static, self.pool, self.params, batch
         )
         if starts is None:
             if verify:
@@ -297,14 +266,13 @@ class Engine:
         self._verified.update({s.seq_id: (r, b) for s, r, b in zip(seqs, rows, before)})
         return out
 
-    def _padded(self, seqs, *cols, pad_values):
-        width = bucket_width(len(seqs))
-        out = []
-        for col, pad in zip(cols, pad_values):
-            a = np.full(width, pad, np.int32)
-            a[: len(col)] = col
-            out.append(_i32(a))
-        return out
+    def _verdicts(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> VerdictBatch:
+        """The `VerdictBatch` of `seqs`' verdicts (rows kept of ks verified)."""
+        v = VerdictBatch.padded(self.counts, bucket_width(len(seqs)))
+        for i, (s, r, k) in enumerate(zip(seqs, rows, ks)):
+            v.slots[i], v.vslots[i], v.rows[i], v.ks[i] = s.slot, self.counts.verify_slot(s.slot), r, k
+            v.vrow_base[i] = self.counts.verify_row_base(s.slot)
+        return v
 
     def gdn_fold_accepted(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> None:
         """Fold every sequence's verdict into its live GDN state: rows = accepted drafts + 1.
@@ -314,22 +282,15 @@ class Engine:
         if self.replay:
             self._restore(seqs, [r < k for r, k in zip(rows, ks)])
             return
-        dummy = self.counts.slots - 1
-        vrows = [self.counts.h_step_offsets[self.counts.verify_slot(s.slot)] for s in seqs]
-        slots, r, k, vb = self._padded(seqs, [s.slot for s in seqs], rows, ks, vrows, pad_values=(dummy, 1, 1, 0))
-        self.pool = self.programs.run("gdn_fold", tr.gdn_fold_accepted, {}, self.pool, slots, r, k, vb)
+        verdicts = self._verdicts(seqs, rows, ks)
+        self.pool = self.programs.run("gdn_fold", tr.gdn_fold_accepted, None, self.pool, verdicts)
 
-    def _restore(self, seqs, mask) -> None:
-        dummy = self.counts.slots - 1
-        vslots = [self.counts.verify_slot(s.slot) for s in seqs]
-        slots, vs, m = self._padded(
-            seqs,
-            [s.slot for s in seqs],
-            vslots,
-            [int(x) for x in mask],
-            pad_values=(dummy, self.counts.verify_slots - 1, 0),
-        )
-        self.pool = self.programs.run("restore_ckpt", tr.restore_checkpoint, {}, self.pool, slots, vs, m.astype(bool))
+    def _restore(self, seqs: Sequence[SequenceState], mask: Sequence[bool]) -> None:
+        """Put back the pre-verify GDN state of seqs[i] where mask[i]."""
+        v = VerdictBatch.padded(self.counts, bucket_width(len(seqs)))
+        for i, (s, m) in enumerate(zip(seqs, mask)):
+            v.slots[i], v.vslots[i], v.restore[i] = s.slot, self.counts.verify_slot(s.slot), m
+        self.pool = self.programs.run("restore_ckpt", tr.restore_checkpoint, None, self.pool, v)
 
     def rollback_verify(self, seqs: Sequence[SequenceState]) -> None:
         """Abandon the last verify of `seqs`: live GDN state, length and tokens as before it (its
@@ -353,19 +314,15 @@ class Engine:
             if redo:
                 self._rows([x[0] for x in redo], [x[1] for x in redo], verify=True, starts=[x[2] for x in redo])
             return
-        dummy = self.counts.slots - 1
-        vslots = [self.counts.verify_slot(s.slot) for s in seqs]
-        slots, vs, r, k = self._padded(
-            seqs, [s.slot for s in seqs], vslots, rows, ks, pad_values=(dummy, self.counts.verify_slots - 1, 1, 1)
-        )
-        self.pool = self.programs.run("commit_conv", tr.commit_conv, {}, self.pool, slots, vs, r, k)
+        verdicts = self._verdicts(seqs, rows, ks)
+        self.pool = self.programs.run("commit_conv", tr.commit_conv, None, self.pool, verdicts)
 
     def commit_accepted_prefix(self, seq: SequenceState, rows: int, k: int) -> None:
-        """The original's per-sequence commit (rows == K is a no-op)."""
+        """`commit_accepted_prefixes` of one sequence (rows == K is a no-op)."""
         self.commit_accepted_prefixes([seq], [rows], [k])
 
     @staticmethod
-    def _check_rows(seqs, rows, ks):
+    def _check_rows(seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> None:
         if not len(seqs) == len(rows) == len(ks):
             raise EngineError("seqs, rows and ks differ in length")
         for s, r, k in zip(seqs, rows, ks):
@@ -387,9 +344,10 @@ class Engine:
             raise EngineError("no verify to stash hidden rows from")
         if not self.drafter:
             raise EngineError("no MTP drafter to stash hidden rows for")
-        dummy = self.counts.slots - 1
-        slots, r = self._padded(seqs, [s.slot for s in seqs], rows, pad_values=(dummy, 0))
-        self.pool = self.programs.run("stash_rows", tr.stash_hidden_rows, {}, self.pool, self._verify_hidden, r, slots)
+        x = StashBatch.padded(self.counts, bucket_width(len(seqs)))
+        for i, (s, r) in enumerate(zip(seqs, rows)):
+            x.rows[i], x.slots[i] = r, s.slot
+        self.pool = self.programs.run("stash_rows", tr.stash_hidden_rows, None, self.pool, self._verify_hidden, x)
 
     # ------------------------------------------------------------ MTP drafter
 
@@ -402,24 +360,12 @@ class Engine:
             raise EngineError(f"num_drafts {num_drafts} outside 1..{self.settings.num_drafts}")
         self._reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
         n = len(seqs)
-        dummy = self.counts.slots - 1
-        last_a, seq_lens, slots = self._padded(
-            seqs, list(last), [s.seq_len for s in seqs], [s.slot for s in seqs], pad_values=(0, 1, dummy)
-        )
-        valid = np.arange(bucket_width(n)) < n
-        _, dt = self._tables(list(seqs) + [None] * (bucket_width(n) - n))
-        drafts, conf, logits, self.pool = self.programs.run(
-            "propose",
-            tr.propose,
-            self._static(num_drafts=num_drafts),
-            self.pool,
-            self.params,
-            last_a,
-            seq_lens,
-            slots,
-            dt,
-            valid,
-        )
+        x = ProposeBatch.padded(self.counts, self.draft_width, bucket_width(n))
+        for i, (s, tok) in enumerate(zip(seqs, last)):
+            x.last[i], x.seq_lens[i], x.slots[i], x.valid[i] = tok, s.seq_len, s.slot, True
+            x.draft_tables[i, : len(s.draft_blocks)] = s.draft_blocks
+        static = ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=num_drafts)
+        drafts, conf, logits, self.pool = self.programs.run("propose", tr.propose, static, self.pool, self.params, x)
         for s in seqs:
             s.last_num_drafted = num_drafts
             s.drafter_len = s.seq_len + num_drafts - 1
@@ -433,39 +379,34 @@ class Engine:
 
     # ------------------------------------------------------------ swap
 
-    def save_sequence_state(self, seq: SequenceState) -> dict:
-        """Swap-out record: numpy copies of everything the sequence owns on device, plus host facts."""
-        bt, dt = self._tables([seq])
-        rec = self.programs.run(
-            "read_state",
-            lambda pool, *a: (tr.read_sequence_state(pool, *a), pool),
-            {},
-            self.pool,
-            _i32(seq.slot),
-            bt[0],
-            dt[0],
-        )
-        rec, self.pool = rec
-        return {
-            "device": jax.tree_util.tree_map(np.asarray, rec),
-            "seq_len": seq.seq_len,
-            "tokens": list(seq.tokens),
-            "blocks": len(seq.blocks),
-            "draft_blocks": len(seq.draft_blocks),
-            "drafter_len": seq.drafter_len,
-        }
+    def _address(self, seq: SequenceState) -> SequenceAddress:
+        """Where `seq`'s state lives (slot, null-padded block tables)."""
+        at = SequenceAddress.padded(self.counts, self.draft_width)
+        at.slot[...] = seq.slot
+        at.blocks[: len(seq.blocks)] = seq.blocks
+        at.draft_blocks[: len(seq.draft_blocks)] = seq.draft_blocks
+        return at
 
-    def restore_sequence_state(self, seq: SequenceState, record: dict) -> None:
+    def save_sequence_state(self, seq: SequenceState) -> SwapRecord:
+        """Swap-out record: numpy copies of everything the sequence owns on device, plus host facts."""
+        arrays, self.pool = self.programs.run("read_state", tr.read_sequence_state, None, self.pool, self._address(seq))
+        return SwapRecord(
+            device=jax.tree_util.tree_map(np.asarray, arrays),
+            seq_len=seq.seq_len,
+            tokens=tuple(seq.tokens),
+            blocks=len(seq.blocks),
+            draft_blocks=len(seq.draft_blocks),
+            drafter_len=seq.drafter_len,
+        )
+
+    def restore_sequence_state(self, seq: SequenceState, record: SwapRecord) -> None:
         """Swap-in `record` into a freshly allocated sequence (its own slot and new blocks)."""
         if seq.seq_len or seq.blocks:
             raise EngineError("restore needs a freshly allocated sequence")
-        self._reserve([seq], [record["blocks"] * self.counts.block_size])
-        extra = record["draft_blocks"] - len(seq.draft_blocks)
+        self._reserve([seq], [record.blocks * self.counts.block_size])
+        extra = record.draft_blocks - len(seq.draft_blocks)
         if extra > 0:
             seq.draft_blocks += self.draft_blocks.alloc_many(extra)
-        bt, dt = self._tables([seq])
-        dev = jax.tree_util.tree_map(jnp.asarray, record["device"])
-        self.pool = self.programs.run(
-            "write_state", tr.write_sequence_state, {}, self.pool, dev, _i32(seq.slot), bt[0], dt[0]
-        )
-        seq.seq_len, seq.tokens, seq.drafter_len = record["seq_len"], list(record["tokens"]), record["drafter_len"]
+        dev = jax.tree_util.tree_map(jnp.asarray, record.device)
+        self.pool = self.programs.run("write_state", tr.write_sequence_state, None, self.pool, dev, self._address(seq))
+        seq.seq_len, seq.tokens, seq.drafter_len = record.seq_len, list(record.tokens), record.drafter_len

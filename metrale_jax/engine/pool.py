@@ -33,8 +33,10 @@ KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "f32": jnp.float32}
 H_DTYPES = {"f32": jnp.float32, "f16-pool": jnp.float16}
 
 
-@struct.dataclass
-class EnginePool:
+class EnginePool(struct.PyTreeNode):
+    """Every device buffer the engine holds besides the weights (layout in the module docstring):
+    a frozen pytree that every transition takes donated and returns updated."""
+
     trunk: TrunkState
     ckpt_h: jax.Array | None
     ckpt_conv: jax.Array | None

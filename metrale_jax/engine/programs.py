@@ -2,11 +2,16 @@
 
 Owns: `ProgramCache` — ahead-of-time compilation of the engine's transitions with the pool
 donated, the count of compilations (the zero-recompile tests read it), and the disclosure of
-what a forward compiled: a digest of each program's optimized HLO, its kernel launches and its
-copies of whole pool leaves (which an in-place step must not make).
+what a forward compiled: a digest of each program's optimized HLO (its computation, without the
+source locations XLA records), its kernel launches and its copies of whole pool leaves (which an
+in-place step must not make).
 
-Invariant: a cached program is reused only for arguments of identical tree structure, shapes
-and dtypes; AOT programs never retrace, so a hit costs no compilation.
+Invariants:
+- A cached program is reused only for the same static part and arguments of identical tree
+  structure, shapes and dtypes; AOT programs never retrace, so a hit costs no compilation.
+- `compile_transition` is the one way a transition is compiled: the engine's cache and the
+  memory planner (`memory/activations.py`) both call it, so the planner analyses the program
+  the engine runs.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ import dataclasses
 import functools
 import hashlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
+
+from metrale_jax.engine.inputs import ModelStatic
 
 # Ops of an optimized XLA program that launch device work on their own (fusions and library
 # calls); what runs inside a fusion is one launch.
@@ -41,9 +50,21 @@ _HLO_DTYPES = {
 }
 
 
+# Where each op came from in the Python source: the stack-frame tables of the module header and
+# each instruction's `metadata={...}`. Neither is part of the computation.
+_SOURCE_TABLES_RE = re.compile(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*", re.M)
+_METADATA_RE = re.compile(r", metadata=\{[^}]*\}")
+
+
+def computation_text(hlo_text: str) -> str:
+    """An optimized HLO module's text without its source locations: the same computation traced
+    from code at other files or lines gives the same text."""
+    return _METADATA_RE.sub("", _SOURCE_TABLES_RE.sub("", hlo_text))
+
+
 @dataclasses.dataclass(frozen=True)
 class ProgramInfo:
-    """name; digest of the optimized HLO; launches (top-level device ops); pool_copies: copies
+    """name; digest of the optimized HLO's `computation_text`; launches (top-level device ops); pool_copies: copies
     of a whole pool leaf (a donated array of more than one element), which an in-place step must
     not make."""
 
@@ -53,9 +74,9 @@ class ProgramInfo:
     pool_copies: int
 
 
-def _signature(args):
+def _signature(args: tuple) -> tuple:
     """Tree structure plus every leaf's (shape, dtype): what decides whether a program fits.
-    NOTE: dtype objects, not their names (str(dtype) cost ~8 us a leaf, ~1 ms a step)."""
+    NOTE: dtype objects, not their names: `str(dtype)` per leaf would show in every step's host time."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     return tree, tuple((x.shape, x.dtype) for x in leaves)
 
@@ -78,26 +99,33 @@ def count_pool_copies(hlo_text: str, pool) -> int:
     return sum(t in types for t in _COPY_RE.findall(entry))
 
 
+def compile_transition(fn: Callable, static: ModelStatic | None, args: tuple) -> Any:
+    """`fn(*args, static=static)` (`fn(*args)` when static is None) compiled ahead of time for
+    `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated."""
+    call = fn if static is None else functools.partial(fn, static=static)
+    return jax.jit(call, donate_argnums=(0,)).lower(*args).compile()
+
+
 class ProgramCache:
     """Compile-once cache of transitions. `run(name, fn, static, *args)` calls
-    `fn(*args, **static)` with args[0] (the pool) donated."""
+    `fn(*args, static=static)` (or `fn(*args)` without a static part) with args[0] (the pool)
+    donated. Programs are keyed by (name, static, argument signature)."""
 
-    def __init__(self):
-        self._programs: dict = {}
+    def __init__(self) -> None:
+        self._programs: dict[tuple, Any] = {}
         self.compilations = 0
-        self.info: dict = {}
+        self.info: dict[tuple, ProgramInfo] = {}
 
-    def run(self, name: str, fn, static: dict, *args):
-        key = (name, tuple(sorted(static.items(), key=lambda kv: kv[0])), _signature(args))
+    def run(self, name: str, fn: Callable, static: ModelStatic | None, *args):
+        key = (name, static, _signature(args))
         prog = self._programs.get(key)
         if prog is None:
-            jitted = jax.jit(functools.partial(fn, **static), donate_argnums=(0,))
-            prog = jitted.lower(*args).compile()
+            prog = compile_transition(fn, static, args)
             self.compilations += 1
             text = prog.as_text()
             self.info[key] = ProgramInfo(
                 name,
-                hashlib.sha256(text.encode()).hexdigest()[:16],
+                hashlib.sha256(computation_text(text).encode()).hexdigest()[:16],
                 count_launches(text),
                 count_pool_copies(text, args[0]),
             )
@@ -106,10 +134,8 @@ class ProgramCache:
 
     def disclosure(self, forward: str) -> dict:
         """{plan_digest, launches_per_step, programs} over the programs compiled for `forward`
-        (keys whose static `ops` has that name), in compilation order."""
-        infos = [
-            i for k, i in self.info.items() if dict(k[1]).get("ops") is not None and dict(k[1])["ops"].name == forward
-        ]
+        (those whose static part's `ops` has that name), in compilation order."""
+        infos = [i for k, i in self.info.items() if k[1] is not None and k[1].ops.name == forward]
         if not infos:
             return {"plan_digest": None, "launches_per_step": None, "programs": []}
         h = hashlib.sha256("".join(i.digest for i in infos).encode()).hexdigest()[:16]

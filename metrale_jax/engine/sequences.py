@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from metrale_jax.errors import MetraleError
 
-class EngineError(RuntimeError):
+
+class EngineError(MetraleError, RuntimeError):
     """A request the engine refuses (capacity, exhaustion, misuse); its state is unchanged."""
 
 

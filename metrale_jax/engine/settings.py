@@ -1,12 +1,15 @@
-"""Serve settings: the one Click option set, MODEL.toml `[behavior]`, and their resolution.
+"""Serve settings: the serve flag table, their resolution, and the frozen result the engine runs on.
 
-Owns: `serve_options` (every engine flag, reused by `serve`-like commands, recipes and the memory
-planner), `Behavior` (a model's MODEL.toml `[behavior]` defaults), `resolve_settings` (flag →
-MODEL.toml → engine default, with every violation collected) and `EngineSettings` (the frozen,
-hashable result the engine is built from; static under `jax.jit`).
+Owns: `SERVE_FLAGS` (every serve flag: name, default, value type, help; the CLI renders them as
+options in `metrale_jax_cli.serve_flags`), `Behavior` (a model's MODEL.toml `[behavior]`
+defaults, as values; `metrale_jax_cli.model_toml` reads the file), K-ladder text
+(`parse_k_ladder`, `format_k_ladder`), `resolve_settings` (flag -> MODEL.toml -> engine default,
+with every violation collected) and `EngineSettings` (the frozen, hashable result the engine is
+built from; static under `jax.jit`).
 
 Invariants:
-- Each flag's default is stated once, in `_FLAGS`; `resolve_settings` fills absent keys from it.
+- Pure: no Click, no TOML, no I/O; importing this module loads nothing above the engine.
+- Each flag's default is stated once, in `SERVE_FLAGS`; `resolve_settings` fills absent keys from it.
 - Resolution precedence: an explicit flag wins (even when it equals the engine default), then
   a positive / non-empty MODEL.toml value, then the engine default; each effective value
   records the rule that set it (`EngineSettings.provenance`, excluded from equality and hash).
@@ -17,12 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
-
-import click
-import tomli
 
 from metrale_jax.engine.capacity import (
     AUTO_MAX_SLOTS,
@@ -30,9 +29,8 @@ from metrale_jax.engine.capacity import (
     DEFAULT_K_LADDER,
     MAX_MTP_MAX_SEQS,
     KLadder,
-    format_k_ladder,
-    parse_k_ladder,
 )
+from metrale_jax.errors import MetraleError
 
 KV_CACHE_DTYPES = ("bf16", "fp8", "f32")
 SSM_H_DTYPES = ("f32", "f16-pool")
@@ -52,59 +50,26 @@ RULE_DEFAULT = "engine default"
 RULE_AUTO = "auto"
 
 
-class SettingsError(ValueError):
+class SettingsError(MetraleError, ValueError):
     """Every violation found in one set of serve settings, one message each."""
 
     def __init__(self, messages: list[str] | tuple[str, ...]):
+        super().__init__("\n".join(messages))
         self.messages = tuple(messages)
-        super().__init__("\n".join(self.messages))
-
-
-class BehaviorError(ValueError):
-    """A MODEL.toml that cannot be read as `[behavior]` defaults (one clear line)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Behavior:
     """A model's MODEL.toml `[behavior]` defaults; 0 / "" mean absent (engine default applies).
 
-    Only `default_num_drafts`, `mtp_max_seqs` and `default_kv_dtype` are read; other keys are
-    ignored. `source` says where they came from, for reports.
+    Only `default_num_drafts`, `mtp_max_seqs` and `default_kv_dtype` are read from the file;
+    `source` says where they came from, for reports.
     """
 
     default_num_drafts: int = 0
     mtp_max_seqs: int = 0
     default_kv_dtype: str = ""
     source: str = "absent: engine defaults"
-
-    @classmethod
-    def parse(cls, text: str, source: str) -> Behavior:
-        """Parse MODEL.toml `text`. Raises BehaviorError on bad TOML or a key of the wrong type
-        (integers must be non-negative integers, not booleans; the dtype a string)."""
-        try:
-            doc = tomli.loads(text)
-        except tomli.TOMLDecodeError as e:
-            raise BehaviorError(f"{source}: not valid TOML ({e})") from None
-        table = doc.get("behavior", {})
-        if not isinstance(table, dict):
-            raise BehaviorError(f"{source}: [behavior] must be a table")
-        values: dict[str, Any] = {}
-        for key in ("default_num_drafts", "mtp_max_seqs"):
-            v = table.get(key, 0)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise BehaviorError(f"{source}: [behavior] {key} must be a non-negative integer, got {v!r}")
-            values[key] = v
-        kv = table.get("default_kv_dtype", "")
-        if not isinstance(kv, str):
-            raise BehaviorError(f"{source}: [behavior] default_kv_dtype must be a string, got {kv!r}")
-        return cls(**values, default_kv_dtype=kv, source=source)
-
-    @classmethod
-    def load(cls, path: Path) -> Behavior:
-        """Read `path`; an absent file gives the engine defaults (and says so in `source`)."""
-        if not path.is_file():
-            return cls(source=f"{path} absent: engine defaults")
-        return cls.parse(path.read_text(encoding="utf-8"), str(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,67 +110,80 @@ class EngineSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Flag:
-    """One serve flag: its Click parameter name, default, type and help."""
+class ServeFlag:
+    """One serve flag: its parameter name (an `EngineSettings` field, or `mtp_k_ladder`), its
+    default, the type its value parses as, its help text, and for a presence-only boolean
+    (`type is bool`) the negative spelling `off`."""
 
     name: str
     default: Any
-    type: Any
+    type: type
     help: str
-    off: str | None = None  # the negative spelling of a presence-only boolean
+    off: str | None = None
 
     @property
     def opt(self) -> str:
+        """The flag's spelling on a command line (`max_seq_len` -> `--max-seq-len`)."""
         return "--" + self.name.replace("_", "-")
 
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        """Every spelling of the flag: `opt`, then `off` for a presence-only boolean."""
+        return (self.opt,) if self.off is None else (self.opt, self.off)
 
-_FLAGS: tuple[_Flag, ...] = (
-    _Flag("max_batch_size", "8", str, "Sequence slots: N (1..=128) or auto (fit to memory)."),
-    _Flag("max_seq_len", 32768, int, "Longest sequence, prompt + output tokens."),
-    _Flag("block_size", 16, int, "Tokens per paged-KV block."),
-    _Flag("speculative", False, bool, "MTP speculative decoding.", off="--no-speculative"),
-    _Flag("num_drafts", None, int, "Drafts per verify [MODEL.toml default_num_drafts, else 1]; K = drafts + 1."),
-    _Flag("mtp_max_seqs", None, int, "MTP dispatch cap, 1..=128 [MODEL.toml mtp_max_seqs, else 32]."),
-    _Flag("mtp_k_ladder", None, str, "K ladder n_max:drafts,... [4:3,8:3,16:1,32:1]: drafts at n active sequences."),
-    _Flag("kv_cache_dtype", None, str, "KV-cache dtype bf16|fp8|f32 [MODEL.toml default_kv_dtype, else fp8]."),
-    _Flag("ssm_h_dtype", None, str, "Recurrent h-state pool dtype f32|f16-pool [f32]."),
-    _Flag("ssm_rollback_mode", "snapshot", str, "Verify rollback: snapshot (per-draft states) or replay."),
-    _Flag("max_prefill_tokens", 8192, int, "Prefill chunk in tokens (8192 = unset)."),
-    _Flag("enable_prefix_caching", False, bool, "Prefix caching (with SSM snapshots).", off="--disable-prefix-caching"),
-    _Flag("ssm_cache_slots", 16, int, "Prefix-cache SSM snapshot (Marconi) slots."),
-    _Flag("ssm_decode_ring_slots", "auto", str, "Decode-rollback ring depth: auto or 0..=8."),
-    _Flag("gpu_memory_utilization", 0.90, float, "Fraction of device memory to use, in (0, 1]."),
+
+SERVE_FLAGS: tuple[ServeFlag, ...] = (
+    ServeFlag("max_batch_size", "8", str, "Sequence slots: N (1..=128) or auto (fit to memory)."),
+    ServeFlag("max_seq_len", 32768, int, "Longest sequence, prompt + output tokens."),
+    ServeFlag("block_size", 16, int, "Tokens per paged-KV block."),
+    ServeFlag("speculative", False, bool, "MTP speculative decoding.", off="--no-speculative"),
+    ServeFlag("num_drafts", None, int, "Drafts per verify [MODEL.toml default_num_drafts, else 1]; K = drafts + 1."),
+    ServeFlag("mtp_max_seqs", None, int, "MTP dispatch cap, 1..=128 [MODEL.toml mtp_max_seqs, else 32]."),
+    ServeFlag(
+        "mtp_k_ladder", None, str, "K ladder n_max:drafts,... [4:3,8:3,16:1,32:1]: drafts at n active sequences."
+    ),
+    ServeFlag("kv_cache_dtype", None, str, "KV-cache dtype bf16|fp8|f32 [MODEL.toml default_kv_dtype, else fp8]."),
+    ServeFlag("ssm_h_dtype", None, str, "Recurrent h-state pool dtype f32|f16-pool [f32]."),
+    ServeFlag("ssm_rollback_mode", "snapshot", str, "Verify rollback: snapshot (per-draft states) or replay."),
+    ServeFlag("max_prefill_tokens", 8192, int, "Prefill chunk in tokens (8192 = unset)."),
+    ServeFlag(
+        "enable_prefix_caching", False, bool, "Prefix caching (with SSM snapshots).", off="--disable-prefix-caching"
+    ),
+    ServeFlag("ssm_cache_slots", 16, int, "Prefix-cache SSM snapshot (Marconi) slots."),
+    ServeFlag("ssm_decode_ring_slots", "auto", str, "Decode-rollback ring depth: auto or 0..=8."),
+    ServeFlag("gpu_memory_utilization", 0.90, float, "Fraction of device memory to use, in (0, 1]."),
 )
-SERVE_SETTINGS: frozenset[str] = frozenset(f.name for f in _FLAGS)
+SERVE_SETTINGS: frozenset[str] = frozenset(f.name for f in SERVE_FLAGS)
 
 
-def serve_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a Click command with every serve flag (parameters named as `EngineSettings`
-    fields, plus `mtp_k_ladder`). Values stay raw: pass them to `resolve_settings`."""
-    for flag in reversed(_FLAGS):
-        if flag.type is bool:
-            f = click.option(f"{flag.opt}/{flag.off}", flag.name, default=flag.default, help=flag.help)(f)
-        else:
-            f = click.option(
-                flag.opt,
-                flag.name,
-                type=flag.type,
-                default=flag.default,
-                show_default=flag.default is not None,
-                help=flag.help,
-            )(f)
-    return f
+def parse_k_ladder(spec: str) -> KLadder:
+    """Parse a K ladder `"n_max:drafts,n_max:drafts,..."` (e.g. `"4:3,8:3,16:1,32:1"`).
+
+    Contract: whole-or-nothing. Every step is two positive integers joined by `:`, steps are
+    comma-separated, and `n_max` strictly increases (a step that could never be chosen is
+    refused). Whitespace around numbers is ignored. Anything else raises `ValueError` naming
+    the offending part.
+    """
+    text = spec.strip()
+    if not text:
+        raise ValueError("K ladder is empty; expected n_max:drafts steps like 4:3,8:3,16:1,32:1")
+    steps: list[tuple[int, int]] = []
+    for part in text.split(","):
+        fields = part.split(":")
+        if len(fields) != 2 or not all(f.strip().isdigit() for f in fields):
+            raise ValueError(f"K ladder step {part.strip()!r} is not n_max:drafts with two positive integers")
+        n_max, drafts = (int(f) for f in fields)
+        if n_max < 1 or drafts < 1:
+            raise ValueError(f"K ladder step {part.strip()!r}: n_max and drafts must be >= 1")
+        if steps and n_max <= steps[-1][0]:
+            raise ValueError(f"K ladder step {part.strip()!r}: n_max must increase (previous {steps[-1][0]})")
+        steps.append((n_max, drafts))
+    return tuple(steps)
 
 
-def pop_serve_raw(ctx: click.Context, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Remove the serve flags from a command's `kwargs`; return those given on the command line
-    (not defaulted), ready for `resolve_settings`, which then knows what was asked for."""
-    raw = {name: kwargs.pop(name) for name in list(kwargs) if name in SERVE_SETTINGS}
-    return {
-        name: value
-        for name, value in raw.items()
-        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
-    }
+def format_k_ladder(ladder: KLadder) -> str:
+    """The `n_max:drafts,...` text of `ladder`; `parse_k_ladder` inverts it."""
+    return ",".join(f"{n}:{k}" for n, k in ladder)
 
 
 def _shown(value: Any) -> str:
@@ -245,18 +223,18 @@ def _count_or_keyword(flag: str, text: str, keyword: str, low: int, high: int) -
 def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_slots: int) -> EngineSettings:
     """Resolve raw serve flags into `EngineSettings`.
 
-    `raw` maps the flags that were given (parameter names, values as `serve_options` parses
-    them; see `pop_serve_raw`) to values; absent names take the flag's default (rule "engine
-    default"), unknown names are refused. `behavior` is the model's MODEL.toml
-    `[behavior]` (None: absent). `auto_slots` is what `--max-batch-size auto` resolves to (the
-    caller's fit; 1..=128). Raises `SettingsError` listing every violation.
+    `raw` maps the flags that were given (parameter names, values parsed as each flag's `type`)
+    to values; absent names take the flag's default (rule "engine default"), unknown names are
+    refused. `behavior` is the model's MODEL.toml `[behavior]` (None: absent). `auto_slots` is
+    what `--max-batch-size auto` resolves to (the caller's fit; 1..=128). Raises `SettingsError`
+    listing every violation.
     """
     if not 1 <= auto_slots <= AUTO_MAX_SLOTS:
         raise ValueError(f"auto_slots {auto_slots} is outside 1..={AUTO_MAX_SLOTS}")
     unknown = sorted(set(raw) - SERVE_SETTINGS)
     if unknown:
         raise SettingsError([f"unknown serve setting {name!r}" for name in unknown])
-    v = {f.name: raw.get(f.name, f.default) for f in _FLAGS}
+    v = {f.name: raw.get(f.name, f.default) for f in SERVE_FLAGS}
     b = behavior or Behavior()
     errors: list[str] = []
     eff: dict[str, Any] = {}
@@ -310,7 +288,7 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
     eff["ssm_rollback_mode"] = v["ssm_rollback_mode"]
     errors += _choice("--ssm-rollback-mode", v["ssm_rollback_mode"], rule["ssm_rollback_mode"], SSM_ROLLBACK_MODES)
 
-    # auto: off. The original's ring backs a decode watchdog's rollback, which this engine does not
+    # auto: off. A decode-rollback ring backs a decode watchdog's rollback, which this engine does not
     # have (every transition is a pure function; a failed step is simply not committed).
     try:
         ring = _count_or_keyword(
@@ -333,6 +311,8 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
     if errors:
         raise SettingsError(errors)
     shown = {**eff, "mtp_k_ladder": format_k_ladder(eff["mtp_k_ladder"])}
-    provenance = tuple(Provenance(f.opt, _shown(raw.get(f.name)), _shown(shown[f.name]), rule[f.name]) for f in _FLAGS)
+    provenance = tuple(
+        Provenance(f.opt, _shown(raw.get(f.name)), _shown(shown[f.name]), rule[f.name]) for f in SERVE_FLAGS
+    )
     fields = {("k_ladder" if k == "mtp_k_ladder" else k): val for k, val in eff.items()}
     return EngineSettings(**fields, provenance=provenance)

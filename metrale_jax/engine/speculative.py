@@ -1,6 +1,6 @@
 """Greedy generation, plain and speculative (MTP drafts verified in batches), on an `Engine`.
 
-Owns: the scheduler loop the original runs after every verdict (verify, accept counting, stash,
+Owns: the scheduler loop run after every verdict (verify, accept counting, stash,
 fold, rewind, commit, propose), draft schedules (drafts per active width, the K ladder, a
 confidence stop), and per-step statistics.
 

@@ -1,10 +1,10 @@
 """Activation memory for the planner: XLA's own memory analysis of the engine's compiled step programs.
 
 Owns: the serve's step programs as abstract calls (`step_programs`: the transitions the `Engine`
-runs, with the arguments it passes, as `jax.ShapeDtypeStruct`s — nothing is allocated), their
-compilation for the default backend exactly as `engine.programs.ProgramCache` compiles them
-(`jax.jit(partial(fn, **static), donate_argnums=(0,)).lower(*args).compile()`), the on-disk
-cache of each program's `memory_analysis()`, and the affine model the inverse queries' probes use.
+runs, on the abstract version of the inputs the Engine builds, from the same `engine.inputs`
+constructors — nothing is allocated), their compilation for the default backend by the engine's
+own `engine.programs.compile_transition`, the on-disk cache of each program's
+`memory_analysis()`, and the affine model the inverse queries' probes use.
 
 What is charged: per program, `temp_size_in_bytes` (XLA's scratch) plus the outputs that do not
 alias the donated pool (`output_size_in_bytes − alias_size_in_bytes`: logits, argmax, hidden
@@ -12,8 +12,8 @@ rows); the arguments (weights and pools) are charged elsewhere. The activation f
 peak over the programs (they run one at a time).
 
 The programs, at the serve's largest shapes (`PoolCounts` of the evaluation):
-- prefill: `transitions.prefill_chunk` over one chunk of `counts.prefill_chunk` tokens (the
-  Engine's largest prefill bucket);
+- prefill: `transitions.prefill_chunk` over one full chunk (`counts.prefill_bucket` of
+  `counts.prefill_chunk` tokens: the Engine's largest prefill bucket);
 - decode / verify: `transitions.step_rows` at `bucket_width(real_slots)` sequences, T = 1 / K;
 - propose: `transitions.propose` at that width with `num_drafts` drafts (drafter serves only).
 
@@ -29,9 +29,9 @@ Invariants:
   (`exact=False`) of the same family is the anchor plus slopes per KV block and per drafter KV
   block, each measured by compiling the anchor with only that block count moved to the other
   end of the serve's range (1 or `max_seq_len` tokens). XLA's scratch holds copies of KV slices,
-  so it grows with the blocks. Measured on CPU: decode, verify and propose are exactly affine
-  (tiny and the 80B); prefill is within 0.002% (80B) and 0.9% (tiny, whose scratch XLA packs
-  differently at few blocks) of the program compiled at the probe's own shapes.
+  so it grows with the blocks: affinely for decode, verify and propose; nearly so for prefill,
+  whose scratch XLA packs differently at few blocks (tests/test_memory_activations.py bounds an
+  interpolated probe against the program compiled at its own shapes).
 - A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
 """
 
@@ -50,13 +50,24 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import jaxlib
 
+from kernels_pallas.ops import Ops
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import transitions as tr
-from metrale_jax.engine.capacity import PoolCounts, bucket_width, pool_counts
+from metrale_jax.engine.capacity import PoolCounts, bucket_width, draft_table_width, pool_counts
+from metrale_jax.engine.inputs import (
+    ModelStatic,
+    PrefillChunk,
+    PrefillStatic,
+    ProposeBatch,
+    ProposeStatic,
+    StepBatch,
+    StepStatic,
+    abstract,
+)
 from metrale_jax.engine.pool import allocate_pool
+from metrale_jax.engine.programs import compile_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.model.layout import stack_layer_groups
 from metrale_jax.params import init_params
@@ -113,40 +124,35 @@ def backend_label() -> tuple[str, str]:
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
     """One transition call as the Engine makes it: report `name`, the `ProgramCache` name
-    (`transition`), the function, its static keywords and its abstract arguments (pool first)."""
+    (`transition`), the function, its static part and its abstract arguments (pool, params, input)."""
 
     name: str
     transition: str
     fn: Callable
-    static: dict
+    static: ModelStatic
     args: tuple
     shape: str
 
 
 def step_programs(
-    config: ModelConfig, counts: PoolCounts, settings: EngineSettings, params: Any, pool: Any, ops: Any
+    config: ModelConfig, counts: PoolCounts, settings: EngineSettings, params: Any, pool: Any, ops: Ops
 ) -> tuple[StepProgram, ...]:
-    """The serve's step programs at its largest shapes, with the arguments `Engine.prefill`,
-    `Engine._rows` and `Engine.propose_batched` pass (`params` and `pool` abstract)."""
-    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    """The serve's step programs at its largest shapes, on the inputs `Engine.prefill`,
+    `Engine._rows` and `Engine.propose_batched` build (`params` and `pool` abstract)."""
     drafter = counts.speculative and config.num_mtp_layers > 0
-    mb = counts.max_blocks_per_seq
-    mbd = settings.max_seq_len // counts.draft_block_size + 2  # Engine.mbd
-    st = dict(cfg=config, counts=counts, ops=ops)
-    tb = counts.prefill_chunk  # Engine._prefill_bucket of a full chunk
-    one = S((1,), i32)
+    mbd = draft_table_width(settings.max_seq_len)
+    tb = counts.prefill_bucket(counts.prefill_chunk)
     out = [
         StepProgram(
             "prefill",
             "prefill_chunk",
             tr.prefill_chunk,
-            dict(st, drafter=drafter),
-            (pool, params, S((1, tb), i32), one, one, one, S((1, mb), i32), S((1, mbd), i32)),
+            PrefillStatic(config, counts, ops, drafter=drafter),
+            (pool, params, abstract(PrefillChunk.padded(counts, mbd, tb))),
             f"1x{tb} tokens",
         )
     ]
     w = bucket_width(counts.real_slots)
-    v = S((w,), i32)
     for verify in (False, True) if counts.speculative else (False,):
         t = counts.k if verify else 1
         out.append(
@@ -154,8 +160,8 @@ def step_programs(
                 "verify" if verify else "decode",
                 "step_rows",
                 tr.step_rows,
-                dict(st, verify=verify, drafter=drafter),
-                (pool, params, S((w, t), i32), v, v, v, S((w, mb), i32), S((w, mbd), i32), v, v, S((w * t,), i32)),
+                StepStatic(config, counts, ops, verify=verify, drafter=drafter),
+                (pool, params, abstract(StepBatch.padded(counts, mbd, w, t, verify=verify))),
                 f"{w}x{t} rows",
             )
         )
@@ -165,8 +171,8 @@ def step_programs(
                 "propose",
                 "propose",
                 tr.propose,
-                dict(st, num_drafts=settings.num_drafts),
-                (pool, params, v, v, v, S((w, mbd), i32), S((w,), jnp.bool_)),
+                ProposeStatic(config, counts, ops, num_drafts=settings.num_drafts),
+                (pool, params, abstract(ProposeBatch.padded(counts, mbd, w))),
                 f"{w} seqs x {settings.num_drafts} drafts",
             )
         )
@@ -174,8 +180,8 @@ def step_programs(
 
 
 def compile_program(p: StepProgram):
-    """Lower and compile `p` exactly as `ProgramCache.run` does (pool donated)."""
-    return jax.jit(functools.partial(p.fn, **p.static), donate_argnums=(0,)).lower(*p.args).compile()
+    """Compile `p` as `ProgramCache.run` does (`compile_transition`: the pool donated)."""
+    return compile_transition(p.fn, p.static, p.args)
 
 
 def _signature(tree: Any) -> list:
@@ -183,12 +189,13 @@ def _signature(tree: Any) -> list:
     return [str(treedef), [[list(x.shape), str(x.dtype)] for x in leaves]]
 
 
-def _static_text(static: dict) -> dict:
-    """The static keywords as stable text (dataclasses as their field dicts, ops by class;
-    `PoolCounts.kv_tokens`, which no transition reads, left out so workloads sharing the block
-    counts share the entry)."""
-    out = {}
-    for k, v in sorted(static.items()):
+def _static_text(static: ModelStatic) -> dict:
+    """The static part's fields as stable text (dataclasses as their field dicts, other objects
+    by class; `PoolCounts.kv_tokens`, which no transition reads, left out so workloads sharing
+    the block counts share the entry)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(static):
+        k, v = f.name, getattr(static, f.name)
         if isinstance(v, PoolCounts):
             v = dataclasses.replace(v, kv_tokens=0)
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -274,15 +281,15 @@ class ActivationModel:
         self.compile_seconds = 0.0
         self.cache_hits = 0
         self.backend, self.device_kind = backend_label()
-        self._ops = None
-        self._params = None
+        self._ops: Ops | None = None
+        self._params: Any = None
         self._points: dict[tuple, dict[str, ProgramMemory]] = {}
         self._anchor: dict[tuple, PoolCounts] = {}
 
     # -- inputs
 
     @property
-    def ops(self):
+    def ops(self) -> Ops:
         if self._ops is None:
             from metrale_jax.engine.engine import make_ops
 

@@ -19,8 +19,7 @@ from metrale_jax.memory.errors import PlanError
 MIB = 1 << 20
 GIB = 1 << 30
 #: The runtime reserve: a fixed part (CUDA context, library handles) plus a per-mille share of
-#: the budget (allocator bookkeeping and fragmentation). These are the original engine's
-#: preflight constants (`DRIVER_FIXED_BYTES`, `DRIVER_BUDGET_PER_MILLE`).
+#: the budget (allocator bookkeeping and fragmentation).
 RUNTIME_FIXED_BYTES = 1 * GIB
 RUNTIME_BUDGET_PER_MILLE = 21
 

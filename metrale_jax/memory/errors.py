@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from metrale_jax.errors import MetraleError
 
-class PlanError(ValueError):
+
+class PlanError(MetraleError, ValueError):
     """A planning request that cannot be answered (unknown device or checkpoint, bad --slots,
     a workload the serve cannot run)."""

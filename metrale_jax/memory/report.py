@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from metrale_jax.engine.settings import Provenance
 from metrale_jax.memory.advice import Answer
 from metrale_jax.memory.devices import GIB, MIB, Device
 from metrale_jax.memory.plan import Evaluation
+from metrale_jax.text_table import text_table
 
 #: /2: activations (XLA memory analysis of the step programs) added and charged in
 #: `totals.device_total`.
@@ -52,18 +52,6 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.1f}"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
-    """Rows as aligned text columns (`right`: indices of right-aligned columns)."""
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            str(c).rjust(wd) if i in right else str(c).ljust(wd) for i, (c, wd) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    return [line(headers), line(["-" * wd for wd in widths]), *(line(r) for r in rows)]
-
-
 def _answer_text(value: int | None) -> str:
     return "none fits" if value is None else str(value)
 
@@ -94,13 +82,14 @@ def _activation_lines(r: Report) -> list[str]:
     lines = [
         f"## Activations (XLA memory analysis of the step programs; backend {act.label}, "
         f"forward {act.forward}, jax {act.jax_version}) (MiB)",
-        *_table(
+        *text_table(
             ("program", "transition", "shape", "scratch", "fresh outputs", "MiB", "source"),
             [
                 (p.name, p.transition, p.shape, _mib(p.temp), _mib(p.outputs), _mib(p.bytes), p.how)
                 for p in act.programs
             ],
             right=(3, 4, 5),
+            rule=True,
         ),
     ]
     lines.append(
@@ -140,29 +129,32 @@ def render_text(r: Report) -> str:
         f"MODEL.toml: {r.behavior_from}",
         "",
         "## Settings (requested -> effective)",
-        *_table(
+        *text_table(
             ("setting", "requested", "effective", "rule"),
             [(p.setting, p.requested or "-", p.effective, p.rule) for p in r.settings_table],
+            rule=True,
         ),
         "",
         "## Weights (MiB)",
-        *_table(
+        *text_table(
             ("group", "tensors", "dtype", "MiB"),
             [(t.name, str(t.count), t.dtype, _mib(t.bytes)) for t in ev.weights],
             right=(1, 3),
+            rule=True,
         ),
         "",
         "## Pools at this workload (MiB)",
-        *_table(
+        *text_table(
             ("pool", "group", "shape", "dtype", "MiB"),
             [(t.name, t.group, "x".join(map(str, t.shape)) or "-", t.dtype, _mib(t.bytes)) for t in ev.pools],
             right=(4,),
+            rule=True,
         ),
         "",
         *_activation_lines(r),
         "",
         "## Totals (MiB)",
-        *_table(("term", "MiB"), _total_rows(r), right=(1,)),
+        *text_table(("term", "MiB"), _total_rows(r), right=(1,), rule=True),
         "",
         f"Headroom: {_mib(ev.headroom)} MiB ({'fits' if ev.fits else 'over budget'}).",
     ]

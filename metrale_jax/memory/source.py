@@ -1,14 +1,15 @@
 """What `--checkpoint` names, for planning: a preset, a directory, or a model id with a local config.
 
 Owns: turning the `--checkpoint` text into the model's id (what a recipe's `model` must equal),
-its `ModelConfig`, its MODEL.toml `[behavior]`, the dtype it is served in, and, when its weights
-are on disk, the checkpoint's tensor index. Nothing is downloaded and no tensor is read.
+its `ModelConfig`, where its MODEL.toml is (the CLI reads it: `metrale_jax_cli.model_toml`), the
+dtype it is served in, and, when its weights are on disk, the checkpoint's tensor index. Nothing
+is downloaded and no tensor is read.
 
 Invariants:
 - Resolution order: preset (`tiny` or `metrale-jax/tiny`), then an existing directory with a
   config.json, then `<recipes>/models/<id>/config.json`; anything else is refused.
-- MODEL.toml is `<model dir>/MODEL.toml` (presets: `<recipes>/models/metrale-jax/<name>/`);
-  an absent file means engine defaults.
+- MODEL.toml is `<model dir>/MODEL.toml` (presets: `<recipes>/models/metrale-jax/<name>/`),
+  whether or not the file exists (an absent file means engine defaults).
 - With safetensors present, the config is completed from the headers exactly as the loader
   completes it (`metrale_jax.checkpoint.plan_load`), so planner and loader see one model.
 """
@@ -21,7 +22,6 @@ from pathlib import Path
 
 from metrale_jax.checkpoint import Binding, TensorRef, index_checkpoint, plan_load
 from metrale_jax.config import ModelConfig, load_model_config
-from metrale_jax.engine.settings import Behavior
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.presets import PRESETS
 from metrale_jax.presets_data import PRESET_DIRS
@@ -34,14 +34,14 @@ SERVED_DTYPES = ("bfloat16", "float32")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """A resolved `--checkpoint`: `id`, `config`, where the config came from, MODEL.toml
-    `behavior`, the default served `dtype` name, and the local tensor index with its load
-    bindings (both empty when no weights are on disk)."""
+    """A resolved `--checkpoint`: `id`, `config`, where the config came from, the path of its
+    MODEL.toml (`model_toml`, possibly absent), the default served `dtype` name, and the local
+    tensor index with its load bindings (both empty when no weights are on disk)."""
 
     id: str
     config: ModelConfig
     config_from: str
-    behavior: Behavior
+    model_toml: Path
     dtype: str
     tensors: dict[str, TensorRef] = dataclasses.field(default_factory=dict)
     bindings: tuple[Binding, ...] = ()
@@ -61,7 +61,7 @@ def _declared_dtype(config_json: Path) -> str:
 def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
     """Resolve `--checkpoint arg` against the presets and `<recipes_dir>/models`.
 
-    Raises PlanError (unknown checkpoint), `ConfigError`, `BehaviorError` or `CheckpointError`,
+    Raises PlanError (unknown checkpoint), `ConfigError` or `CheckpointError`,
     each with one clear line.
     """
     models_dir = recipes_dir / "models"
@@ -72,7 +72,7 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
             id=model_id,
             config=PRESETS[name][0],
             config_from=f"preset {name}",
-            behavior=Behavior.load(models_dir / model_id / "MODEL.toml"),
+            model_toml=models_dir / model_id / "MODEL.toml",
             dtype="float32",
         )
     path = Path(PRESET_DIRS.get(name, arg))
@@ -104,7 +104,7 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
         id=model_id,
         config=config,
         config_from=str(directory / "config.json"),
-        behavior=Behavior.load(directory / "MODEL.toml"),
+        model_toml=directory / "MODEL.toml",
         dtype=_declared_dtype(directory / "config.json"),
         tensors=tensors,
         bindings=binds,

@@ -1,7 +1,7 @@
 """The plain cached forward: a batch of sequences of equal length with a contiguous KV cache.
 
-Owns: `new_cache` and `forward` — the reference forward with caches of issue #2 (prefill, then
-decode steps), used by `metrale-jax logits`, by the HF parity tests and as the engine's oracle.
+Owns: `new_cache` and `forward` — the reference forward with caches (prefill, then decode
+steps), used by `metrale-jax logits`, by the HF parity tests and as the engine's oracle.
 
 It is the engine's own state IO with the trivial addressing: sequence b owns GDN slot b and KV
 block b, one block of `max_len` tokens, so there is one implementation of every stateful op.
@@ -15,8 +15,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.ops import Ops, ReferenceOps
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.state_io import PoolIO, ReferenceOps, TrunkState
+from metrale_jax.model.state_io import PoolIO, TrunkState
 from metrale_jax.model.trunk import head, trunk
 
 
@@ -35,8 +36,9 @@ def new_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> 
     )
 
 
-def forward(params, cfg: ModelConfig, tokens, cache: TrunkState, start, ops=ReferenceOps()):
-    """tokens [B, T] int32 at positions start..start+T-1 (start: int32 scalar, traced).
+def forward(params, cfg: ModelConfig, tokens, cache: TrunkState, start, ops: Ops | None = None):
+    """tokens [B, T] int32 at positions start..start+T-1 (start: int32 scalar, traced); ops: the
+    forward's ops object (static), None = `ReferenceOps()`. `cache` is donated by `forward_jit`.
 
     Returns (logits [B, T, V] f32, hidden [B, T, Hd] pre-final-norm, new cache).
     """
@@ -51,7 +53,7 @@ def forward(params, cfg: ModelConfig, tokens, cache: TrunkState, start, ops=Refe
         block_tables=jnp.arange(b, dtype=jnp.int32)[:, None],
         null_block=b,
         gdn_mode="chunk" if t > 1 else "rows",
-        ops=ops,
+        ops=ReferenceOps() if ops is None else ops,
     )
     hidden, cache = trunk(params, cfg, tokens, io, cache)
     return head(params, cfg, hidden), hidden, cache

@@ -15,11 +15,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.common import pairwise_sum
+from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.model.norms import gated_rms_norm
-from metrale_jax.model.reductions import ordered_sum
 from metrale_jax.params import gdn_in_rows
 
 

@@ -8,6 +8,7 @@ Invariant: the product is computed in the activation dtype (no upcast).
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,12 +18,12 @@ def linear(x, w):
     return jnp.einsum("...i,oi->...o", x, w)
 
 
-def linear_parts(x, w, rows: tuple[int, ...]) -> tuple:
+def linear_parts(x, w, rows: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """The projections x @ w_i.T of a row-stacked w = [w_0; w_1; ...] ([sum(rows), in]; w_i has
     rows[i] rows) as one product: a tuple of [..., rows[i]].
 
     NOTE: XLA does not merge products that share an input, and a small step pays a launch for
-    each (2-5 us on XLA CPU); the parameter tree stores such projections stacked (see
+    each; the parameter tree stores such projections stacked (see
     `metrale_jax.params`).
     """
     chex.assert_shape(w, (sum(rows), x.shape[-1]))

@@ -10,10 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.common import pairwise_sum
+from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear, linear_parts
-from metrale_jax.model.reductions import ordered_sum
 from metrale_jax.params import dense_in_rows, moe_in_rows
 
 
@@ -24,7 +23,8 @@ def swiglu(gate, up, down):
 
 def dense_mlp(p, x, cfg: ModelConfig):
     """The dense SwiGLU MLP; p = {gate_up [2I, Hd] (gate rows, then up), down [Hd, I]}."""
-    return swiglu(*linear_parts(x, p["gate_up"], dense_in_rows(cfg)), p["down"])
+    gate, up = linear_parts(x, p["gate_up"], dense_in_rows(cfg))
+    return swiglu(gate, up, p["down"])
 
 
 # The most activation elements (rows x experts x (2I + Hd)) for which `moe` runs every expert in

@@ -3,9 +3,9 @@
 Invariants: the zero-centred norm multiplies by (1 + w) in float32 and casts once at the end; the
 gated norm (GDN output) is not zero-centred and rounds to the model dtype twice (after the
 normalisation and after the weight product), as transformers does. The mean of squares is a
-`pairwise_sum`, so a row's norm has the same bytes in any batch and any program (with `jnp.mean`,
-the verify step of 8 sequences differed by 1 ulp between the two forwards, whose programs fuse
-the norm's producer differently).
+`pairwise_sum`, so a row's norm has the same bytes in any batch and any program (XLA CPU's
+`jnp.mean` order depends on the shape and on how the norm's producer is fused, which differs
+between the two forwards' programs).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.common import pairwise_sum
+from kernels_pallas.reductions import pairwise_sum
 
 
 def _rms(x32, eps: float):

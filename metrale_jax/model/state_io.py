@@ -1,8 +1,8 @@
 """Where the model's stateful operations read and write: the trunk state pool and the state IO.
 
 Owns: `TrunkState` (the per-slot GDN recurrent state and conv window, the paged KV of the
-full-attention layers, and the optional write-on-accept verify rows) and `PoolIO`, the object the
-trunk calls for every stateful op (GDN conv + core, KV write + attention).
+full-attention layers, and the optional write-on-accept verify rows), `PoolIO`, the object the
+trunk calls for every stateful op (GDN conv + core, KV write + attention), and `GdnMode`.
 
 Invariants:
 - A row reads only its own sequence's slot and blocks; padding rows (position < 0, rows >= lens)
@@ -13,7 +13,7 @@ Invariants:
   every row into its verify conv rows. The live slot always ends holding the state after the last
   valid row.
 - Which implementation computes each op (jnp reference or Pallas kernel) is the `ops` object's
-  business; this file never changes with the forward.
+  business (an `Ops`: `kernels_pallas.ops`); this file never changes with the forward.
 - Every kernel-backed op (GDN chunk, GDN rows, attention) runs between XLA optimization barriers
   on its array inputs and outputs (`_fenced`), so XLA compiles the model code around it the same
   whichever implementation runs inside; that is what makes the `pallas` forward byte-equal to
@@ -27,16 +27,17 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kernels_pallas.gdn import reference as gdn_ref
-from kernels_pallas.paged_attention import reference as attn_ref
+from kernels_pallas.ops import Ops, ReferenceOps
 from metrale_jax.config import ModelConfig
 from metrale_jax.model import gdn as gdn_math
+
+GdnMode = Literal["chunk", "rows"]  # how `PoolIO.gdn` runs the delta rule (see the module docstring)
 
 
 def _fenced(op, *arrays):
@@ -49,43 +50,24 @@ def ordered_read(value, *arrays):
     computed before anything can write `arrays` in place.
 
     NOTE: XLA copies a donated pool array (every layer, every slot) when it cannot order a read of
-    it before the array's in-place write; a verify copied the whole GDN state twice a step that
-    way. `ProgramInfo.pool_copies` counts such copies.
+    it before the array's in-place write. `ProgramInfo.pool_copies` counts such copies.
     """
     return jax.lax.optimization_barrier((value, arrays))
 
 
-@struct.dataclass
-class TrunkState:
-    """gdn_h [L_lin, S, nv, dk, dv] (f32 or f16 pool); gdn_conv [L_lin, S, C, Kc];
-    kv_k / kv_v [L_full, NB, bs, KV, D]; verify_h [L_lin, R_v, nv, dk, dv] or None;
-    verify_conv [L_lin, S_v, K_v, C, Kc] or None."""
+class TrunkState(struct.PyTreeNode):
+    """The trunk's pool, a frozen `flax.struct` pytree.
 
-    gdn_h: jax.Array
-    gdn_conv: jax.Array
+    gdn_h [L_lin, S, nv, dk, dv] (f32 or f16 pool); gdn_conv [L_lin, S, C, Kc] (both None in the
+    drafter's state, which has attention layers only); kv_k / kv_v [L_full, NB, bs, KV, D];
+    verify_h [L_lin, R_v, nv, dk, dv] or None; verify_conv [L_lin, S_v, K_v, C, Kc] or None."""
+
+    gdn_h: jax.Array | None
+    gdn_conv: jax.Array | None
     kv_k: jax.Array
     kv_v: jax.Array
     verify_h: jax.Array | None = None
     verify_conv: jax.Array | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ReferenceOps:
-    """The `xla` forward's implementations: the kernels' jnp reference twins."""
-
-    name: str = "xla"
-
-    def gdn_chunk(self, q, k, v, g, beta, h0):
-        return gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, h0)
-
-    def gdn_rows(self, q, k, v, g, beta, h0):
-        return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, h0)
-
-    def write_kv(self, k_cache, v_cache, k, v, block_tables, positions, null_block, layer=None):
-        return attn_ref.write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block, layer)
-
-    def attention(self, q, k_cache, v_cache, block_tables, positions, scale, layer=None):
-        return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +76,11 @@ class PoolIO:
 
     slots [B] int32 (live GDN slot per sequence); lens [B] int32 (valid rows per sequence);
     positions [B, T] int32 (absolute position per row, -1 for padding); block_tables [B, MB] int32;
-    null_block: the physical block padding rows write into; fresh [B] bool or None (sequences
-    starting at position 0 read a zero state and window, whatever their slot held); verify addressing (only with
-    gdn_mode="rows" and verify pools present): vrow_base [B] (first verify-h row of the sequence),
-    vslot [B] (verify conv slot).
+    null_block: the physical block padding rows write into; gdn_mode: how the delta rule runs (see
+    the module docstring); ops: the forward's `Ops` (static); fresh [B] bool or None (sequences
+    starting at position 0 read a zero state and window, whatever their slot held); verify
+    addressing (only with gdn_mode="rows" and verify pools present): vrow_base [B] (first verify-h
+    row of the sequence), vslot [B] (verify conv slot).
     """
 
     cfg: ModelConfig
@@ -106,8 +89,8 @@ class PoolIO:
     positions: Any
     block_tables: Any
     null_block: int
-    gdn_mode: str
-    ops: Any = ReferenceOps()
+    gdn_mode: GdnMode
+    ops: Ops = ReferenceOps()
     fresh: Any = None
     vrow_base: Any = None
     vslot: Any = None
@@ -115,6 +98,7 @@ class PoolIO:
     def gdn(self, state: TrunkState, li: int, p, mixed, b, a):
         """Conv + delta rule for linear layer li. Returns (o [B, T, nv, dv] f32, new state)."""
         cfg = self.cfg
+        assert state.gdn_h is not None and state.gdn_conv is not None, "a GDN layer needs the GDN pools"
         (h0, w0), (gdn_h, gdn_conv) = ordered_read(
             (state.gdn_h[li, self.slots], state.gdn_conv[li, self.slots]), state.gdn_h, state.gdn_conv
         )
@@ -127,7 +111,7 @@ class PoolIO:
         q, k, v = gdn_math.split_qkv(y, cfg)
         beta, g = gdn_math.gates(p, b, a)
         k, beta, g = gdn_math.mask_rows(k, beta, g, self.lens)
-        hdt = state.gdn_h.dtype
+        hdt = gdn_h.dtype
         if self.gdn_mode == "chunk":
             o, h_final = _fenced(self.ops.gdn_chunk, q, k, v, g, beta, h0)
         else:
@@ -138,8 +122,8 @@ class PoolIO:
             if state.verify_h is not None and self.vrow_base is not None:
                 state = self._write_verify_rows(state, li, rows.astype(hdt), windows)
         state = state.replace(
-            gdn_h=state.gdn_h.at[li, self.slots].set(h_final.astype(hdt)),
-            gdn_conv=state.gdn_conv.at[li, self.slots].set(final_w),
+            gdn_h=gdn_h.at[li, self.slots].set(h_final.astype(hdt)),
+            gdn_conv=gdn_conv.at[li, self.slots].set(final_w),
         )
         return o, state
 

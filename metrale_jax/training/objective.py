@@ -11,8 +11,8 @@ Invariants:
   token t+2 — exactly the rows the engine's drafter catch-up writes, so training and drafting
   see the same inputs (including the `mtp_hidden_postnorm` switch).
 - `TrainOps` computes the same math as the engine's reference ops in a differentiable,
-  CPU-friendly form: a 16-row GDN chunk (the same recurrence; ~6x cheaper to differentiate than
-  64 rows) and attention over the whole gathered cache with a causal mask (the reference walks
+  CPU-friendly form: a 16-row GDN chunk (the same recurrence, cheaper to differentiate than 64
+  rows) and attention over the whole gathered cache with a causal mask (the reference walks
   key tiles in a dynamic loop, which reverse-mode differentiation cannot go through).
 """
 
@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import optax
 
 from kernels_pallas.gdn import reference as gdn_ref
+from kernels_pallas.ops import ReferenceOps
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.cache import forward, new_cache
-from metrale_jax.model.state_io import PoolIO, ReferenceOps
+from metrale_jax.model.state_io import PoolIO
 from metrale_jax.model.trunk import final_norm, mtp_forward
 from metrale_jax.params import init_params, is_spec, param_specs
 

@@ -1,0 +1,53 @@
+"""The process's thread and platform environment: the one place that sets it.
+
+Owns: `prepare` (the BLAS/OpenMP pool sizes and the JAX platform, as environment defaults) and
+`pin_to_one_core` (this process on its first allowed CPU, the last one published for a sibling
+process). Every entry point calls these before it imports jax: the `metrale-jax` command
+(`cli/main.py`), `python -m benchmarks` (`benchmarks/cli.py`) and the test suite.
+
+Invariants:
+- Only defaults are set (`os.environ.setdefault`): a variable the user exported wins.
+- Imports nothing but the standard library, so calling it loads no jax.
+- Effective only before jax starts its backend: XLA sizes its thread pool, and OpenBLAS its
+  pool, once, when they start.
+
+NOTE: the xla forward's GDN chunk calls LAPACK's triangular solve, which runs on OpenBLAS's
+thread pool; on a loaded small machine a pool of one thread per core stalls when the load
+exceeds the cores. One thread is what XLA's own CPU ops already use per op, hence
+`OPENBLAS_NUM_THREADS=1` by default everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+#: The BLAS / OpenMP pools jaxlib's LAPACK calls and torch use.
+BLAS_POOLS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: The CPU `pin_to_one_core` leaves to a sibling process (the benchmark's HF driver reads it).
+SIBLING_CPU = "METRALE_BENCH_HF_CPU"
+
+
+def prepare(*, threads: int = 1, pools: Sequence[str] = ("OPENBLAS_NUM_THREADS",), cpu_only: bool = False) -> None:
+    """Default each of `pools` to `threads` threads (`threads` 0: leave every pool at its
+    library default) and, with `cpu_only`, JAX to its CPU platform."""
+    if threads >= 1:
+        for var in pools:
+            os.environ.setdefault(var, str(threads))
+    if cpu_only:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def pin_to_one_core() -> None:
+    """Pin this process to its first allowed CPU and publish its last one in `SIBLING_CPU`, so a
+    child process can take a core of its own. A no-op where the OS has no CPU affinity.
+
+    NOTE: XLA CPU runs a program's thunks on a pool of one thread per allowed core, so the
+    affinity (not a thread flag) is what makes it single-core. Not
+    `--xla_cpu_multi_thread_eigen=false`: with it XLA CPU copies every weight matrix into a
+    transposed layout at every step."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[0]})
+    os.environ[SIBLING_CPU] = str(cpus[-1])
