@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The interpreter that builds the venv: Python >= 3.12 (jax >= 0.11 needs it). .python-version
-# makes pyenv's python3 a 3.12 here; python3.12 is tried first where it is on PATH.
+# makes pyenv's python3 a 3.12 here; the first of python3.13, python3.12, python3 that is >= 3.12 builds it.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 
 .PHONY: demo test lint bench fixtures notebooks train-small clean

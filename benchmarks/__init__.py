@@ -16,8 +16,9 @@ into the results section of BUILD_NOTES.md):
              time, per kernel and per step, for a Qwen3.5-35B-A3B-size layer stack; a dry run
              with tiny shapes under the interpreter where no GPU is present.
 
-Modules: `cli` (the Click command, sections, JSON, notes), `report` (the tables, text and
-markdown), `timing` (statistics, machine facts, compile listener), `models` (configs, settings,
+Modules: `cli` (the Click command, presets, sections, JSON, notes), `settings` (the resolved
+settings, passed whole to every section's `run`), `report` (the tables, text and markdown),
+`timing` (statistics, machine facts, compile listener), `models` (configs, engine settings,
 checkpoints), `steps` (engine step runners), `hf_env` (the HF venv and the driver client),
 `hf_driver` (runs under the HF venv's Python 3.11; imports neither jax nor this package),
 `vs_hf`, `compile_cost`, `forwards`, `idle_gap`, `slot_scaling`, `roofline`.

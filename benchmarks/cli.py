@@ -29,6 +29,7 @@ the thread environment is set: XLA and OpenBLAS size their pools once, when they
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -41,6 +42,7 @@ from typing import Any
 import click
 
 from benchmarks import report
+from benchmarks.settings import Settings
 from metrale_jax import runtime_env
 
 SECTIONS = ("hf", "compile", "forwards", "gap", "slots", "roofline")
@@ -137,7 +139,7 @@ def command(context: click.Context, **opts: Any) -> dict:
             "`--gpu --dry-run` checks the same path with tiny shapes on any machine"
         )
     cfg = _resolve(opts)
-    unknown = set(cfg["sections"]) - set(SECTIONS)
+    unknown = set(cfg.sections) - set(SECTIONS)
     if unknown:
         raise click.UsageError(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     if opts["notes"]:
@@ -154,7 +156,7 @@ def parse(argv: Sequence[str]) -> dict[str, Any]:
         return dict(ctx.params)
 
 
-def _resolve(a: dict[str, Any]) -> dict:
+def _resolve(a: dict[str, Any]) -> Settings:
     """Every setting the sections read: the options, with the preset's value where one is absent."""
     smoke, gpu = a["smoke"], a["gpu"]
     dry = a["dry_run"] or smoke
@@ -164,7 +166,7 @@ def _resolve(a: dict[str, Any]) -> dict:
         return v if v is not None else (small if smoke else full)
 
     default_sections = ["hf", "compile", "forwards", "gap", "slots"] + (["roofline"] if smoke else [])
-    return dict(
+    return Settings(
         model=d(a["model"], "tiny", "tiny-2L"),
         forward_steps=d(a["forward_steps"], ["prefill", "decode", "verify"], ["verify"]),
         sections=a["sections"] or (["roofline"] if gpu else default_sections),
@@ -202,20 +204,20 @@ def _resolve(a: dict[str, Any]) -> dict:
     )
 
 
-def _run(cfg: dict, opts: dict[str, Any], argv: list[str]) -> dict:
+def _run(cfg: Settings, opts: dict[str, Any], argv: list[str]) -> dict:
     """Run the sections, print the tables, write the JSON (and the notes); returns the results."""
     from benchmarks.timing import load_average, machine_info
 
     json_path = opts["json_path"]
-    os.makedirs(cfg["workdir"], exist_ok=True)
+    os.makedirs(cfg.workdir, exist_ok=True)
     info = machine_info()
     info.update(
-        threads=cfg["threads"],
+        threads=cfg.threads,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         argv=argv,
         **{v.lower(): os.environ.get(v) for v in runtime_env.BLAS_POOLS},
     )
-    results: dict = {"machine": info, "settings": dict(cfg), "sections": {}, "load": {}}
+    results: dict = {"machine": info, "settings": dataclasses.asdict(cfg), "sections": {}, "load": {}}
     tables: list[report.Table] = []
     failed: list[str] = []
 
@@ -224,7 +226,7 @@ def _run(cfg: dict, opts: dict[str, Any], argv: list[str]) -> dict:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1, default=float)
 
-    for name in cfg["sections"]:
+    for name in cfg.sections:
         before = load_average()
         t0, c0 = time.perf_counter(), time.process_time()
         _log(f"section {name} (load {before})")
@@ -258,92 +260,26 @@ def _run(cfg: dict, opts: dict[str, Any], argv: list[str]) -> dict:
     return results
 
 
-def _section(name: str, cfg: dict) -> dict:
+def _section(name: str, cfg: Settings) -> dict:
     """Run one section with the settings `cfg` (`_resolve`); returns its JSON dict."""
-    if name == "hf":
-        from benchmarks import vs_hf
-        from benchmarks.hf_env import ensure_hf_venv
+    from benchmarks import compile_cost, forwards, idle_gap, roofline, slot_scaling, vs_hf
+    from benchmarks.hf_env import ensure_hf_venv
 
-        python, why = ensure_hf_venv(create=cfg["hf_create"])
+    if name == "hf":
+        python, why = ensure_hf_venv(create=cfg.hf_create)
         if python is None:
             _log(f"HF comparison skipped: {why}")
             return {"skipped": why}
-        return vs_hf.run(
-            cfg["model"],
-            python,
-            workdir=cfg["workdir"],
-            prefill_lens=cfg["prefill_lens"],
-            ns=cfg["ns"],
-            ks=cfg["ks"],
-            ctx=cfg["ctx"],
-            repeats=cfg["repeats"],
-            warmup=cfg["warmup"],
-            block=cfg["block"],
-            threads=cfg["threads"] or None,
-            impl=cfg["hf_impl"],
-            seed=cfg["seed"],
-        )
+        return vs_hf.run(cfg, python)
     if name == "compile":
-        from benchmarks import compile_cost
-
-        return compile_cost.run(
-            cfg["compile_models"],
-            cfg["compile_steps"],
-            cfg["compile_repeats"],
-            isolate=cfg["isolate"],
-            log=_log,
-        )
-    if name == "forwards":
-        from benchmarks import forwards
-
-        return forwards.run(
-            cfg["model"],
-            prefill_len=max(cfg["prefill_lens"][0], 16),
-            n=max(cfg["ns"]),
-            k=max(cfg["ks"]),
-            ctx=cfg["ctx"],
-            repeats=cfg["repeats"],
-            warmup=cfg["warmup"],
-            seed=cfg["seed"],
-            steps=cfg["forward_steps"],
-        )
-    if name == "gap":
-        from benchmarks import idle_gap
-
-        return idle_gap.run(
-            cfg["model"],
-            n=max(cfg["ns"]),
-            k=max(cfg["ks"]),
-            ctx=cfg["ctx"],
-            gaps=[ms / 1e3 for ms in cfg["gaps_ms"]],
-            calls=cfg["gap_calls"],
-            rounds=cfg["gap_rounds"],
-            warmup=cfg["warmup"],
-            seed=cfg["seed"],
-        )
-    if name == "slots":
-        from benchmarks import slot_scaling
-
-        return slot_scaling.run(
-            cfg["slots_model"],
-            slot_counts=cfg["slot_counts"],
-            ctx=cfg["ctx"],
-            k=max(cfg["ks"]),
-            iters=cfg["slots_iters"],
-            seed=cfg["seed"],
-        )
-    from benchmarks import roofline
-
-    return roofline.run(
-        dry_run=cfg["roofline_dry"],
-        layers=cfg["roofline_layers"],
-        ctx=cfg["roofline_ctx"],
-        decode_ns=cfg["roofline_decode_ns"],
-        verify_ns=cfg["roofline_verify_ns"],
-        k=cfg["roofline_k"],
-        iters=cfg["roofline_iters"],
-        seed=cfg["seed"],
-    )
+        return compile_cost.run(cfg, log=_log)
+    runs: dict[str, Callable[[Settings], dict]] = {
+        "forwards": forwards.run,
+        "gap": idle_gap.run,
+        "slots": slot_scaling.run,
+        "roofline": roofline.run,
+    }
+    return runs[name](cfg)
 
 
 def run(argv: Sequence[str] | None = None) -> dict:

@@ -29,6 +29,7 @@ import click
 import numpy as np
 
 from benchmarks import models
+from benchmarks.settings import Settings
 from benchmarks.timing import CompileCounter, Stats
 from metrale_jax.engine.engine import Engine
 from metrale_jax.model.layout import layer_period
@@ -175,10 +176,12 @@ def cases_for(models_: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def run(models_: list[str], steps: int, repeats: int, *, isolate: bool = True, log=print) -> dict:
-    """Every (model, layout) case `repeats` times; layouts alternate order between repeats. With
-    isolate, each measurement runs in a fresh `python -m benchmarks.compile_cost` process."""
-    cases = cases_for(models_)
+def run(s: Settings, *, log=print) -> dict:
+    """Every (model, layout) case of `s.compile_models` `s.compile_repeats` times, a loop of
+    `s.compile_steps` steps each; layouts alternate order between repeats. With `s.isolate`, each
+    measurement runs in a fresh `python -m benchmarks.compile_cost` process."""
+    steps, repeats, isolate = s.compile_steps, s.compile_repeats, s.isolate
+    cases = cases_for(s.compile_models)
     results: dict[tuple[str, str], list[dict]] = {c: [] for c in cases}
     for r in range(repeats):
         order = cases if r % 2 == 0 else list(reversed(cases))

@@ -17,36 +17,21 @@ import sys
 import numpy as np
 
 from benchmarks import models
+from benchmarks.settings import Settings
 from benchmarks.steps import StepBench, max_seq_len_for
 from benchmarks.timing import paired
 from kernels_pallas.ops import PallasOps
 
 
-def run(
-    model_name: str,
-    *,
-    prefill_len: int,
-    n: int,
-    k: int,
-    ctx: int,
-    repeats: int,
-    warmup: int,
-    seed: int = 0,
-    steps=("prefill", "decode", "verify"),
-) -> dict:
+def run(s: Settings) -> dict:
+    """The section at `s.model`: T = the first of `s.prefill_lens` (at least 16), n, k of
+    `s.step_shape`, `s.ctx`; `s.repeats` alternated pairs after `s.warmup`; the steps of `s.forward_steps`."""
+    model_name, prefill_len, ctx, (n, k) = s.model, max(s.prefill_lens[0], 16), s.ctx, s.step_shape
     cfg, params = models.model(model_name)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(s.seed)
     rand = lambda *shape: rng.integers(0, cfg.vocab_size, size=shape).tolist()  # noqa: E731
     max_seq_len = max_seq_len_for(max(prefill_len, ctx + k + 2))
-    bench = StepBench(
-        cfg,
-        params,
-        max_batch=2 * n + 1,
-        max_seq_len=max_seq_len,
-        speculative=True,
-        num_drafts=k - 1,
-        mtp_k_ladder=f"{2 * n + 1}:{k - 1}",
-    )  # every slot may verify K rows
+    bench = StepBench.verifying(cfg, params, max_batch=2 * n + 1, max_seq_len=max_seq_len, k=k)
     eng = bench.engine
     # Two identical contexts: each forward's first call sees the same state (a decode step
     # advances the GDN state; only its length is rewound).
@@ -60,7 +45,7 @@ def run(
         "verify": lambda c: bench.verify(c, rows),
     }
     shapes = {"prefill": (1, prefill_len), "decode": (n, 1), "verify": (n, k)}
-    steps = [s for s in calls if s in steps]
+    steps = [step for step in calls if step in s.forward_steps]
     # First calls of every step on both forwards before any timing (on its own context, each
     # forward sees the same state), then the alternated timings (all on the xla context).
     first, logits = {}, {}
@@ -78,7 +63,7 @@ def run(
 
             return go
 
-        pal, xla, ratio = paired(on("pallas"), on("xla"), repeats, warmup)
+        pal, xla, ratio = paired(on("pallas"), on("xla"), s.repeats, s.warmup)
         diff = float(np.abs(np.asarray(logits[(name, "pallas")]) - np.asarray(logits[(name, "xla")])).max())
         row = {
             "step": name,

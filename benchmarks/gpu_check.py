@@ -53,36 +53,33 @@ class Case:
     tiny: dict
 
 
-CASES = (
-    Case("decode 35B", "gdn_rows", dict(b=64, t=1, hk=16, h=32, d=128), dict(b=2, t=1, hk=2, h=4, d=16)),
-    Case("verify 35B", "gdn_rows", dict(b=32, t=4, hk=16, h=32, d=128), dict(b=2, t=4, hk=2, h=4, d=16)),
-    Case("verify 397B", "gdn_rows", dict(b=32, t=4, hk=16, h=64, d=128), dict(b=2, t=4, hk=1, h=4, d=16)),
-    Case("prefill 35B", "gdn_chunk", dict(b=1, t=4096, hk=16, h=32, d=128), dict(b=1, t=130, hk=2, h=4, d=16)),
-    Case("prefill 397B ragged", "gdn_chunk", dict(b=2, t=1000, hk=16, h=64, d=128), dict(b=2, t=100, hk=1, h=4, d=16)),
-    Case(
-        "decode 16:2 d256",
-        "attention",
-        dict(b=32, t=1, h=16, kvh=2, d=256, bs=16, ctx=4096),
-        dict(b=2, t=1, h=4, kvh=2, d=16, bs=4, ctx=64),
-    ),
-    Case(
-        "verify 16:2 d256",
-        "attention",
-        dict(b=32, t=4, h=16, kvh=2, d=256, bs=16, ctx=4096),
-        dict(b=2, t=4, h=4, kvh=2, d=16, bs=4, ctx=64),
-    ),
-    Case(
-        "verify 8:1 d128",
-        "attention",
-        dict(b=32, t=4, h=8, kvh=1, d=128, bs=16, ctx=4096),
-        dict(b=2, t=4, h=8, kvh=1, d=16, bs=4, ctx=64),
-    ),
-    Case(
-        "prefill chunk 16:2",
-        "attention",
-        dict(b=2, t=512, h=16, kvh=2, d=256, bs=16, ctx=4096),
-        dict(b=2, t=20, h=4, kvh=2, d=16, bs=4, ctx=64),
-    ),
+GDN_DIMS = ("b", "t", "hk", "h", "d")
+ATTENTION_DIMS = ("b", "t", "h", "kvh", "d")
+
+
+def _case(name: str, kernel: str, real: tuple[int, ...], tiny: tuple[int, ...]) -> Case:
+    """A Case from its dims in `GDN_DIMS` or `ATTENTION_DIMS` order. Attention tables span 4096 keys
+    in 16-key blocks at real width, 64 keys in 4-key blocks tiny."""
+    if kernel == "attention":
+        return Case(
+            name,
+            kernel,
+            dict(zip(ATTENTION_DIMS, real), bs=16, ctx=4096),
+            dict(zip(ATTENTION_DIMS, tiny), bs=4, ctx=64),
+        )
+    return Case(name, kernel, dict(zip(GDN_DIMS, real)), dict(zip(GDN_DIMS, tiny)))
+
+
+CASES = (  # name, kernel, real dims, tiny dims
+    _case("decode 35B", "gdn_rows", (64, 1, 16, 32, 128), (2, 1, 2, 4, 16)),
+    _case("verify 35B", "gdn_rows", (32, 4, 16, 32, 128), (2, 4, 2, 4, 16)),
+    _case("verify 397B", "gdn_rows", (32, 4, 16, 64, 128), (2, 4, 1, 4, 16)),
+    _case("prefill 35B", "gdn_chunk", (1, 4096, 16, 32, 128), (1, 130, 2, 4, 16)),
+    _case("prefill 397B ragged", "gdn_chunk", (2, 1000, 16, 64, 128), (2, 100, 1, 4, 16)),
+    _case("decode 16:2 d256", "attention", (32, 1, 16, 2, 256), (2, 1, 4, 2, 16)),
+    _case("verify 16:2 d256", "attention", (32, 4, 16, 2, 256), (2, 4, 4, 2, 16)),
+    _case("verify 8:1 d128", "attention", (32, 4, 8, 1, 128), (2, 4, 8, 1, 16)),
+    _case("prefill chunk 16:2", "attention", (2, 512, 16, 2, 256), (2, 20, 4, 2, 16)),
 )
 
 
@@ -101,21 +98,11 @@ class Row:
 
 def abstract_args(case: Case, shape: dict) -> tuple:
     """The kernel's arguments as ShapeDtypeStructs (what `*_supported` and export need)."""
-    sds = jax.ShapeDtypeStruct
     if case.kernel == "attention":
         b, t, h, kvh, d, bs, mb, nb = _attention_dims(shape)
-        pool = sds((nb, bs, kvh, d), jnp.bfloat16)
-        return sds((b, t, h, d), jnp.bfloat16), pool, pool, sds((b, mb), jnp.int32), sds((b, t), jnp.int32)
-    b, t, hk, h, d = (shape[k] for k in ("b", "t", "hk", "h", "d"))
-    f32 = jnp.float32
-    return (
-        sds((b, t, hk, d), f32),
-        sds((b, t, hk, d), f32),
-        sds((b, t, h, d), f32),
-        sds((b, t, h), f32),
-        sds((b, t, h), f32),
-        sds((b, h, d, d), f32),
-    )
+        return testing.attention_abstract_args(b, t, h, kvh, d, bs=bs, nb=nb, mb=mb)
+    b, t, hk, h, d = (shape[k] for k in GDN_DIMS)
+    return testing.gdn_abstract_args(b, t, hk, h, d, d)
 
 
 def supported(case: Case, shape: dict, backend: str) -> str | None:
@@ -129,7 +116,7 @@ def supported(case: Case, shape: dict, backend: str) -> str | None:
 
 def _attention_dims(shape: dict):
     """(b, t, h, kvh, d, bs, mb, nb): the table spans ctx keys; the pool holds every table + 1."""
-    b, t, h, kvh, d, bs, ctx = (shape[k] for k in ("b", "t", "h", "kvh", "d", "bs", "ctx"))
+    b, t, h, kvh, d, bs, ctx = (shape[k] for k in (*ATTENTION_DIMS, "bs", "ctx"))
     return b, t, h, kvh, d, bs, ctx // bs, b * (ctx // bs) + 1
 
 
@@ -152,7 +139,7 @@ def _median_seconds(fn, args, iters: int) -> float:
 
 def _gdn(case: Case, shape: dict, rng, interpret: bool):
     """(kernel fn, reference fn, args, bytes moved, check(kernel_out, ref_out) -> (err, ref_err))."""
-    b, t, hk, h, d = (shape[k] for k in ("b", "t", "hk", "h", "d"))
+    b, t, hk, h, d = (shape[k] for k in GDN_DIMS)
     args = testing.gdn_inputs(rng, b, t, hk, h, d, d, initial_state=True)
     if case.name.endswith("ragged"):
         args = testing.gdn_pad_rows(args, [t, t // 3])

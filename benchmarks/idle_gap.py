@@ -19,26 +19,21 @@ import time
 import numpy as np
 
 from benchmarks import models
+from benchmarks.settings import Settings
 from benchmarks.steps import StepBench, max_seq_len_for
 
 
-def run(
-    model_name: str, *, n: int, k: int, ctx: int, gaps, calls: int, rounds: int, warmup: int, seed: int = 0
-) -> dict:
+def run(s: Settings) -> dict:
+    """The section at `s.model`: n sequences x k rows (`s.step_shape`) over `s.ctx` tokens, after
+    `s.warmup` untimed calls; `s.gap_calls` calls per gap of `s.gaps_ms` in each of `s.gap_rounds` rounds."""
+    model_name, ctx, calls, rounds, (n, k) = s.model, s.ctx, s.gap_calls, s.gap_rounds, s.step_shape
+    gaps = [ms / 1e3 for ms in s.gaps_ms]
     cfg, params = models.model(model_name)
-    rng = np.random.default_rng(seed)
-    bench = StepBench(
-        cfg,
-        params,
-        max_batch=n,
-        max_seq_len=max_seq_len_for(ctx + k),
-        speculative=True,
-        num_drafts=k - 1,
-        mtp_k_ladder=f"{n}:{k - 1}",
-    )
+    rng = np.random.default_rng(s.seed)
+    bench = StepBench.verifying(cfg, params, max_batch=n, max_seq_len=max_seq_len_for(ctx + k), k=k)
     bench.context("c", rng.integers(0, cfg.vocab_size, size=(n, ctx)).tolist())
     rows = rng.integers(0, cfg.vocab_size, size=(n, k)).tolist()
-    for _ in range(warmup + 1):
+    for _ in range(s.warmup + 1):
         bench.verify("c", rows)
     medians: dict[float, list[float]] = {g: [] for g in gaps}
     for _ in range(rounds):

@@ -136,8 +136,8 @@ def write_checkpoint(directory: str, cfg: ModelConfig, params) -> str:
     """Write `params` as an HF-loadable checkpoint in `directory`, unless the checkpoint there was
     written from the same config and weights (`weights_digest`, kept next to it).
     NOTE: keyed on the weights, not the model name: a seeded model's bytes change when the
-    parameter tree does, and HF must never read an older version's weights (it did once: every
-    |dlogit| ~5 in the table)."""
+    parameter tree does, and HF must never read an older version's weights (the table would
+    compare two different models)."""
     digest = weights_digest(cfg, params)
     stamp = os.path.join(directory, "weights.sha256")
     if os.path.isfile(stamp) and os.path.isfile(os.path.join(directory, "model.safetensors")):

@@ -28,12 +28,14 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import gpu_check, models
+from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 from metrale_jax.config import FULL
 from metrale_jax.engine.pool import H_DTYPES, KV_DTYPES
@@ -109,9 +111,10 @@ def step_bytes(cfg, settings, *, n: int, t: int, ctx: int, verify: bool, drafter
 
 
 def _kernel_rows(
-    cfg, *, n: int, t: int, ctx: int, block_size: int, dry_run: bool, iters: int, bandwidth: float, seed: int
+    cfg, *, n: int, t: int, ctx: int, block_size: int, run_case: Callable[[gpu_check.Case], gpu_check.Row]
 ):
-    """gpu_check rows for this step's GDN-rows and attention kernels (shapes of one layer)."""
+    """`run_case` rows (`gpu_check.run_case` with the run's options bound) for this step's
+    GDN-rows and attention kernels (shapes of one layer)."""
     d = cfg.linear_key_head_dim
     span = block_size * (-(-(ctx + t) // block_size) + 1)
     gdn = dict(b=n, t=t, hk=cfg.linear_num_key_heads, h=cfg.linear_num_value_heads, d=d)
@@ -124,7 +127,7 @@ def _kernel_rows(
         ("attention", "attention", att, cfg.num_full_layers),
     ):
         case = gpu_check.Case(f"{name} n{n} t{t}", kernel, shape, shape)
-        row = gpu_check.run_case(case, dry_run=dry_run, iters=iters, bandwidth=bandwidth, seed=seed)
+        row = run_case(case)
         out.append(
             {
                 "kernel": name,
@@ -143,19 +146,14 @@ def _kernel_rows(
     return out
 
 
-def run(
-    *,
-    dry_run: bool,
-    layers: int,
-    ctx: int,
-    decode_ns,
-    verify_ns,
-    k: int,
-    iters: int,
-    seed: int = 0,
-    forward: str = "pallas",
-    log=None,
-) -> dict:
+def run(s: Settings, *, forward: str = "pallas", log=None) -> dict:
+    """The section from the `roofline_*` fields of `s`: `s.roofline_layers` layers (tiny width when
+    `s.roofline_dry`), decode of each n of `s.roofline_decode_ns` and verify of each n of
+    `s.roofline_verify_ns` x `s.roofline_k` rows over `s.roofline_ctx` cached tokens, each timed
+    over `s.roofline_iters` runs."""
+    dry_run, layers, ctx = s.roofline_dry, s.roofline_layers, s.roofline_ctx
+    k, iters, seed = s.roofline_k, s.roofline_iters, s.seed
+    decode_ns, verify_ns = s.roofline_decode_ns, s.roofline_verify_ns
     log = log or (lambda m: print(f"[bench roofline] {m}", file=sys.stderr, flush=True))
     cfg = models.qwen35_stack(layers, tiny=dry_run)
     dtype = jnp.bfloat16
@@ -163,24 +161,23 @@ def run(
     block_size = 16
     max_batch = max([*decode_ns, *verify_ns])
     max_seq_len = max_seq_len_for(ctx + k + 1, block_size)
-    bench = StepBench(
+    bench = StepBench.verifying(
         cfg,
         params,
         max_batch=max_batch,
         max_seq_len=max_seq_len,
-        speculative=True,
-        num_drafts=k - 1,
+        k=k,
         forward=forward,
         kv_cache_dtype="bf16",
         block_size=block_size,
         max_prefill_tokens=min(ctx, 2048),
-        mtp_k_ladder=f"{max(max_batch, 1)}:{k - 1}",
     )
     eng = bench.engine
     bandwidth = gpu_check.measure_bandwidth(2**20 if dry_run else 2**31, max(iters, 3))
     width = "tiny width (dry run)" if dry_run else "Qwen3.5-35B-A3B width"
     log(f"bandwidth {bandwidth / 1e9:.1f} GB/s; model {layers} layers, {width}")
     rng = np.random.default_rng(seed)
+    run_case = functools.partial(gpu_check.run_case, dry_run=dry_run, iters=iters, bandwidth=bandwidth, seed=seed)
 
     def rand(*shape: int) -> list:
         return rng.integers(0, cfg.vocab_size, size=shape).tolist()
@@ -206,17 +203,7 @@ def run(
             )
             floor_must = 1e3 * by["total_must"] / bandwidth
             floor_impl = 1e3 * by["total_impl"] / bandwidth
-            kernels = _kernel_rows(
-                cfg,
-                n=n,
-                t=t,
-                ctx=ctx,
-                block_size=block_size,
-                dry_run=dry_run,
-                iters=iters,
-                bandwidth=bandwidth,
-                seed=seed,
-            )
+            kernels = _kernel_rows(cfg, n=n, t=t, ctx=ctx, block_size=block_size, run_case=run_case)
             row = {
                 "step": kind,
                 "n": n,

@@ -16,25 +16,21 @@ import functools
 import numpy as np
 
 from benchmarks import models
+from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 
 
-def run(model_name: str, *, slot_counts, ctx: int, k: int, iters: int, seed: int = 0) -> dict:
+def run(s: Settings) -> dict:
+    """The section at `s.slots_model`: one engine per slot count of `s.slot_counts`, one sequence of
+    `s.ctx` tokens, its decode and its verify of k rows (`s.step_shape`), each timed over `s.slots_iters` runs."""
+    model_name, ctx, k, iters = s.slots_model, s.ctx, s.step_shape[1], s.slots_iters
     cfg, params = models.model(model_name)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(s.seed)
     prompt = rng.integers(0, cfg.vocab_size, size=(1, ctx)).tolist()
     rows = rng.integers(0, cfg.vocab_size, size=(1, k)).tolist()
     out = []
-    for slots in slot_counts:
-        bench = StepBench(
-            cfg,
-            params,
-            max_batch=slots,
-            max_seq_len=max_seq_len_for(ctx + k),
-            speculative=True,
-            num_drafts=k - 1,
-            mtp_k_ladder=f"{slots}:{k - 1}",
-        )
+    for slots in s.slot_counts:
+        bench = StepBench.verifying(cfg, params, max_batch=slots, max_seq_len=max_seq_len_for(ctx + k), k=k)
         bench.context("c", prompt)
         decode_s = DeviceStep.capture(bench.engine, functools.partial(bench.decode, "c", rows[0][:1]))[0].time(iters)
         verify_s = DeviceStep.capture(bench.engine, functools.partial(bench.verify, "c", rows))[0].time(iters)

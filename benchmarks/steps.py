@@ -53,6 +53,21 @@ class StepBench:
         )
         self.contexts: dict[str, list] = {}
 
+    @classmethod
+    def verifying(cls, cfg, params, *, max_batch: int, max_seq_len: int, k: int, **flags) -> StepBench:
+        """A speculative engine whose every slot may verify K = `k` rows: num_drafts = k - 1 and a
+        K ladder of one rung, `max_batch:k - 1`. `flags` as for the constructor."""
+        return cls(
+            cfg,
+            params,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            speculative=True,
+            num_drafts=k - 1,
+            mtp_k_ladder=f"{max_batch}:{k - 1}",
+            **flags,
+        )
+
     # ------------------------------------------------------------ prefill
     def prefill(self, tokens: Sequence[int]) -> tuple[float, np.ndarray]:
         """Seconds of one prefill of `tokens` (one chunk when it fits) and its last logits."""

@@ -30,6 +30,7 @@ import numpy as np
 
 from benchmarks import models
 from benchmarks.hf_env import HFClient
+from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 from benchmarks.timing import Stats, back_to_back, paired
 
@@ -74,24 +75,12 @@ def _diff(a, b) -> tuple[float, float]:
     return float(np.abs(a - b).max()), float(np.abs(b).max())
 
 
-def run(
-    model_name: str,
-    hf_python: str,
-    *,
-    workdir: str,
-    prefill_lens,
-    ns,
-    ks,
-    ctx: int,
-    repeats: int,
-    warmup: int,
-    block: int,
-    threads: int | None = None,
-    impl: str = "default",
-    seed: int = 0,
-) -> dict:
-    """Every case of the section; returns {"hf": driver facts, "cases": [...], "model": ...}.
-    block: consecutive calls per side in each of the `repeats` rounds of the back-to-back timing."""
+def run(s: Settings, hf_python: str) -> dict:
+    """Every case of the section at `s.model` against HF under `hf_python`; returns {"hf": driver
+    facts, "cases": [...], "model": ...}. `s.block`: consecutive calls per side in each of the
+    `s.repeats` rounds of the back-to-back timing; `s.threads` 0: HF's torch gets every core."""
+    model_name, workdir, prefill_lens, ns, ks, ctx = s.model, s.workdir, s.prefill_lens, s.ns, s.ks, s.ctx
+    repeats, warmup, block, threads, impl, seed = s.repeats, s.warmup, s.block, s.threads, s.hf_impl, s.seed
     cfg, params = models.model(model_name)
     if os.path.isdir(model_name):  # a checkpoint directory: HF reads it as it is
         ckpt = os.path.abspath(model_name)
@@ -153,15 +142,7 @@ def run(
         del base
 
         for k in ks:
-            spec = StepBench(
-                cfg,
-                params,
-                max_batch=max(ns),
-                max_seq_len=max_seq_len,
-                speculative=True,
-                num_drafts=k - 1,
-                mtp_k_ladder=f"{max(ns)}:{k - 1}",
-            )  # every slot may verify K rows
+            spec = StepBench.verifying(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, k=k)
             for n in ns:
                 spec.context(f"n{n}", prompts[n])
                 rows = rand(n, k)

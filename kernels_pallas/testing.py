@@ -1,7 +1,8 @@
 """Inputs shaped like the engine's and float64 numpy oracles, shared by the kernel tests and
 `benchmarks/gpu_check.py`.
 
-Owns: what a "random input" of each op is (never zeros: the L2-normalised q/k, negative log-decays,
+Owns: each op's argument shapes as ShapeDtypeStructs (what the `*_supported` checks and export
+take), what a "random input" of each op is (never zeros: the L2-normalised q/k, negative log-decays,
 betas in (0, 1), ragged and padded batches, non-contiguous block tables), the oracles the
 "bounded" contracts are measured against, the error metric, and `assert_contract`: which of a
 kernel's two contracts a test checks (byte-equal when interpreted, bounded when compiled).
@@ -15,6 +16,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import common
@@ -48,6 +51,14 @@ def assert_contract(
 
 
 # ---------------------------------------------------------------- Gated DeltaNet
+
+
+def gdn_abstract_args(b, t, hk, h, dk, dv, dtype=jnp.float32) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes of `gdn_inputs`: (q, k [B, T, Hk, dk], v [B, T, H, dv], g, beta [B, T, H],
+    h0 [B, H, dk, dv]), all `dtype`."""
+    sds = jax.ShapeDtypeStruct
+    qk, gate = sds((b, t, hk, dk), dtype), sds((b, t, h), dtype)
+    return qk, qk, sds((b, t, h, dv), dtype), gate, gate, sds((b, h, dk, dv), dtype)
 
 
 def gdn_inputs(rng, b, t, hk, h, dk, dv, *, initial_state: bool):
@@ -103,6 +114,14 @@ def gdn_oracles(args, *, chunk: bool) -> tuple[Callable[[], np.ndarray], Callabl
 
 
 # ---------------------------------------------------------------- paged attention
+
+
+def attention_abstract_args(b, t, h, kvh, d, *, bs, nb, mb, dtype=jnp.bfloat16) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes of `attention_inputs`: (q [B, T, H, D], k_cache, v_cache [NB, bs, KV, D] in
+    `dtype`, block_tables [B, MB] int32, positions [B, T] int32)."""
+    sds = jax.ShapeDtypeStruct
+    pool = sds((nb, bs, kvh, d), dtype)
+    return sds((b, t, h, d), dtype), pool, pool, sds((b, mb), jnp.int32), sds((b, t), jnp.int32)
 
 
 def attention_inputs(rng, dtype, *, b, t, h, kvh, d, bs, nb, mb, starts):

@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from metrale_jax import research
+from metrale_jax.tokenizer import ByteTokenizer
 
 FAST = os.environ.get("METRALE_NOTEBOOK_FAST", "0") == "1"
 OUT = Path(os.environ.get("METRALE_NOTEBOOK_OUT", "figures"))
@@ -84,7 +85,5 @@ fig.savefig(OUT / "acceptance_by_position.png", dpi=120)
 # A sample continuation (prompt, then the greedy continuation), to see what the model writes.
 
 # %%
-from metrale_jax.tokenizer import ByteTokenizer
-
 tok = ByteTokenizer()
 print(tok.decode(prompts[0]) + "⟨" + tok.decode(run.tokens[0]) + "⟩")

@@ -85,7 +85,7 @@ print(
 
 # %%
 probs = np.linspace(0.05, 0.95, 19)
-replay = run.cutoff_tradeoff(np.log(probs))
+replay = run.cutoff_tradeoff(np.log(probs).tolist())
 base = run.summary()
 measured = []
 for p in MEASURED:

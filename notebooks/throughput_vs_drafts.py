@@ -42,6 +42,8 @@ from metrale_jax import research
 FAST = os.environ.get("METRALE_NOTEBOOK_FAST", "0") == "1"
 OUT = Path(os.environ.get("METRALE_NOTEBOOK_OUT", "figures"))
 OUT.mkdir(parents=True, exist_ok=True)
+WIDTHS: tuple[int, ...]
+DRAFTS: tuple[int, ...]
 if FAST:
     N_PROMPTS, PROMPT_LEN, NEW_TOKENS, WIDTHS, DRAFTS = 8, 64, 12, (1, 8), (1, 3)
 else:
@@ -89,8 +91,8 @@ for col, kind in enumerate(("flat", "ladder")):
             ys = [metric(r) if callable(metric) else r[metric] for r in mine]
             ax.plot(xs, ys, "o-", label=f"width {w}")
     axes[0, col].set_title("flat schedule" if kind == "flat" else "default K ladder (4:3,8:3,16:1,32:1)")
-    for ax, (_, label) in zip(axes[:, col], panels):
-        ax.set_ylabel(label)
+    for ax, (_metric, ylabel) in zip(axes[:, col], panels):
+        ax.set_ylabel(ylabel)
     axes[-1, col].set(xlabel="num_drafts", xticks=list(DRAFTS))
 axes[0, 0].legend(fontsize=8)
 fig.tight_layout()

@@ -515,7 +515,7 @@ def to_bf16(model):
 
 def rehome_(model) -> None:
     """from_pretrained leaves parameters as views into the safetensors buffer (8-byte aligned); the CPU
-    GEMV kernels then take another path and decode rows move by ~1e-6. Copy them to fresh storage."""
+    GEMV kernels then take another path and decode rows round differently. Copy them to fresh storage."""
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.clone()

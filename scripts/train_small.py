@@ -2,7 +2,7 @@
 """Train the shipped `small` preset: a byte-level Qwen3-Next-shaped model with an MTP head,
 on the Python standard library's sources, with JAX on CPU.
 
-    nice -n 10 .venv/bin/python scripts/train_small.py            # the committed run (~25 min, 2 cores)
+    nice -n 10 .venv/bin/python scripts/train_small.py            # the committed run (the whole recipe)
     .venv/bin/python scripts/train_small.py --measure-only        # re-measure acceptance only
 
 Writes into --out (default: the package's `presets_data/small/`):
@@ -98,7 +98,8 @@ def _markdown(log: dict) -> str:
         )
     lines += [
         "",
-        f"(Validation rows use {r['eval_windows']} fixed held-out windows; the final numbers above use all held-out text.)",
+        f"(Validation rows use {r['eval_windows']} fixed held-out windows; "
+        "the final numbers above use all held-out text.)",
         "",
     ]
     return "\n".join(lines)

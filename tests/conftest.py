@@ -9,8 +9,9 @@ import os
 
 import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see cli/main.py
+from metrale_jax import runtime_env
+
+runtime_env.prepare(cpu_only=True)  # before anything imports jax
 
 from metrale_jax.engine.settings import resolve_settings  # noqa: E402
 from metrale_jax.presets import resolve_checkpoint  # noqa: E402

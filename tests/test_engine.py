@@ -111,7 +111,7 @@ def test_anchor_only_accept_a0_commits_row_zero(eng, greedy_ref):
 
 
 def test_non_speculative_step_after_speculative_one(eng, tiny, greedy_ref):
-    """A plain decode after a partial accept reads the folded state (vLLM #40738): the tokens
+    """A plain decode after a partial accept reads the folded state: the tokens
     continue exactly as plain greedy decoding."""
     seq = eng.alloc_sequence()
     try:
@@ -130,7 +130,7 @@ def test_non_speculative_step_after_speculative_one(eng, tiny, greedy_ref):
 
 def test_mixed_widths_ragged_rows_are_independent(eng, greedy_ref):
     """Ragged K [4, 2, 3] in one batch: each sequence's logits equal its own uniform-shape run of
-    the same width bucket (rows never read another sequence's rows) — bug 14."""
+    the same width bucket (rows never read another sequence's rows)."""
     seqs = [eng.alloc_sequence() for _ in range(3)]
     try:
         last = [int(eng.prefill(s, PROMPT).argmax()) for s in seqs]

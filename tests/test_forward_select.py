@@ -11,9 +11,8 @@ Claims:
   (not yet of every program: see `test_wide_verify_prefill_byte_equal_verify_within_ulps`). The state IO fences every
   kernel-backed op with optimization barriers (see
   `metrale_jax.model.state_io`): unfenced, XLA CPU fused GDN's sigmoid gate differently into the
-  reference GDN and into the Pallas call (1 ulp in 1 of 256 elements of layer 0's beta in a
-  64-token prefill chunk; `sigmoid(x)` alone vs fused with a select differ in 0.4% of elements,
-  consistent with LLVM contracting exp's last multiply and the `+ 1` into an FMA inside a fusion).
+  reference GDN and into the Pallas call (layer 0's beta then differed in the last bit: LLVM
+  contracts exp's last multiply and the `+ 1` into an FMA inside one fusion and not the other).
 - Each forward's disclosure names a different plan, and the kernels refused nothing at these
   shapes (every op ran as a kernel).
 """
@@ -165,11 +164,11 @@ WIDE_VERIFY_ATOL = 1e-5
 def test_wide_verify_prefill_byte_equal_verify_within_ulps(tiny):
     """A verify of 8 sequences x 4 rows over 128-token contexts, each prefilled by its own forward.
     The prefills are byte-equal (logits and every pool leaf); the verify agrees to WIDE_VERIFY_ATOL
-    with the same argmaxes, but is NOT byte-equal yet: a known divergence, open (BUILD_NOTES,
-    "Shape-invariant sums"). The GDN rows kernel (interpreted) and its reference, run alone on this
+    with the same argmaxes, but is NOT byte-equal yet: a known divergence, open (BUILD_NOTES.md, "Known
+    issues"). The GDN rows kernel (interpreted) and its reference, run alone on this
     scenario's layer-0 inputs, give a few (sequence, head) states 1-2 ulp apart, because XLA CPU
-    contracts the state update's multiply-adds into FMAs differently in the two; logits <= 1.1e-6
-    apart (1.6e-6 before the stacked projections, at 0405fcb). When it is fixed, this test should
+    contracts the state update's multiply-adds into FMAs differently in the two; logits a few ulps
+    apart. When it is fixed, this test should
     assert bytes for the verify too."""
     cfg, params = tiny
     rng = np.random.default_rng(4)

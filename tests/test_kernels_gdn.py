@@ -135,15 +135,7 @@ def test_bounded_variants_within_allowance(kind, t, variant):
 
 
 def _shapes(b=2, t=4, hk=16, h=32, dk=128, dv=128, dtype=jnp.float32):
-    s = jax.ShapeDtypeStruct
-    return (
-        s((b, t, hk, dk), dtype),
-        s((b, t, hk, dk), dtype),
-        s((b, t, h, dv), dtype),
-        s((b, t, h), dtype),
-        s((b, t, h), dtype),
-        s((b, h, dk, dv), dtype),
-    )
+    return testing.gdn_abstract_args(b, t, hk, h, dk, dv, dtype)
 
 
 def test_supported_at_model_shapes():

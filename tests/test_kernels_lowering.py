@@ -16,7 +16,7 @@ import pytest
 from jax._src.pallas.triton import lowering as triton_lowering  # private: only to read the Triton IR
 from jax.sharding import AbstractMesh, AxisType
 
-from kernels_pallas import common
+from kernels_pallas import common, testing
 from kernels_pallas.common import KernelRefused
 from kernels_pallas.gdn import api as gdn_api
 from kernels_pallas.gdn import pallas_gpu as gdn_kernels
@@ -38,7 +38,6 @@ H200 = AbstractMesh(
     axis_types=(AxisType.Explicit,),
     abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda"),
 )
-S = jax.ShapeDtypeStruct
 
 
 @pytest.fixture
@@ -73,25 +72,11 @@ def assert_pow2_tensors(asm: str):
 
 
 def gdn_args(b, t, h, hk=16, dk=128, dv=128):
-    f32 = jnp.float32
-    return (
-        S((b, t, hk, dk), f32),
-        S((b, t, hk, dk), f32),
-        S((b, t, h, dv), f32),
-        S((b, t, h), f32),
-        S((b, t, h), f32),
-        S((b, h, dk, dv), f32),
-    )
+    return testing.gdn_abstract_args(b, t, hk, h, dk, dv)
 
 
 def attn_args(b, t, h, kvh, d, bs=16, nb=512, mb=64, dtype=jnp.bfloat16):
-    return (
-        S((b, t, h, d), dtype),
-        S((nb, bs, kvh, d), dtype),
-        S((nb, bs, kvh, d), dtype),
-        S((b, mb), jnp.int32),
-        S((b, t), jnp.int32),
-    )
+    return testing.attention_abstract_args(b, t, h, kvh, d, bs=bs, nb=nb, mb=mb, dtype=dtype)
 
 
 @pytest.mark.parametrize("h", [32, 64])

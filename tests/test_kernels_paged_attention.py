@@ -71,8 +71,8 @@ def _assert_meets_contract(out, ref, args):
 
 
 def _whole_span_attention(q, k_cache, v_cache, block_tables, positions, scale):
-    """The reference before it was tiled: one softmax over each row's whole table span, normalised
-    before the PV product. Kept only as the accuracy yardstick of the tiled reference."""
+    """A whole-span reference: one softmax over each row's whole table span, normalised before the
+    PV product; the accuracy yardstick of the tiled reference."""
     b, t, h, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
     mb = block_tables.shape[1]
@@ -222,14 +222,7 @@ def test_kv_write_is_the_reference_scatter():
 
 
 def _shapes(b=4, t=4, h=16, kvh=2, d=256, bs=16, nb=64, mb=32, dtype=jnp.bfloat16):
-    s = jax.ShapeDtypeStruct
-    return (
-        s((b, t, h, d), dtype),
-        s((nb, bs, kvh, d), dtype),
-        s((nb, bs, kvh, d), dtype),
-        s((b, mb), jnp.int32),
-        s((b, t), jnp.int32),
-    )
+    return testing.attention_abstract_args(b, t, h, kvh, d, bs=bs, nb=nb, mb=mb, dtype=dtype)
 
 
 def test_supported_at_model_shapes():

@@ -41,19 +41,21 @@ class DiffRequest:
     prefill_chunk: tuple[int, ...] = ()
     swap: bool = False
 
+    def _modes_given(self) -> list[str]:
+        """The non-default modes whose flag (`--<mode>`) is set, in `MODES` order."""
+        flags = {
+            "batch": self.batch,
+            "verify": self.verify,
+            "verify-batch": self.verify_batch,
+            "prefill": self.prefill,
+            "swap": self.swap,
+        }
+        return [m for m, on in flags.items() if on]
+
     @property
     def mode(self) -> str:
-        given = [
-            m
-            for m, on in (
-                ("batch", self.batch),
-                ("verify", self.verify),
-                ("verify-batch", self.verify_batch),
-                ("prefill", self.prefill),
-                ("swap", self.swap),
-            )
-            if on
-        ]
+        """The one non-default mode set, else "default" (`check` refuses more than one)."""
+        given = self._modes_given()
         return given[0] if len(given) == 1 else "default"
 
     @property
@@ -63,17 +65,7 @@ class DiffRequest:
 
     def check(self) -> None:
         """Refuse a request that is wrong whatever the engine (DiffRequestError)."""
-        given = [
-            f
-            for f, on in (
-                ("--batch", self.batch),
-                ("--verify", self.verify),
-                ("--verify-batch", self.verify_batch),
-                ("--prefill", self.prefill),
-                ("--swap", self.swap),
-            )
-            if on
-        ]
+        given = [f"--{m}" for m in self._modes_given()]
         problems = [
             (len(given) > 1, f"{' and '.join(given)} are separate diffs: give one mode"),
             (self.steps < 2, f"--steps must be at least 2, got {self.steps}"),

@@ -21,6 +21,8 @@ overwritten before they are ever read, as in the trunk's KV.
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ from kernels_pallas.reductions import first_argmax
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import inputs
 from metrale_jax.engine.pool import EnginePool
-from metrale_jax.model.state_io import PoolIO, TrunkState, ordered_read
+from metrale_jax.model.state_io import GdnMode, PoolIO, TrunkState, ordered_read
 from metrale_jax.model.trunk import final_norm, head, mtp_forward, trunk
 
 
@@ -39,16 +41,32 @@ def _positions(starts: jax.Array, lens: jax.Array, t: int) -> jax.Array:
     return jnp.where(r < lens[:, None], starts[:, None] + r, -1)
 
 
-def _drafter_io(static: inputs.ModelStatic, positions: jax.Array, draft_tables: jax.Array) -> PoolIO:
+def _pool_io(
+    static: inputs.ModelStatic,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    *,
+    drafter: bool = False,
+    gdn_mode: GdnMode = "rows",
+    slots: jax.Array | None = None,
+    lens: jax.Array | None = None,
+    fresh: jax.Array | None = None,
+) -> PoolIO:
+    """The addressing of B sequences' rows at `positions` [B, T] through `block_tables`, with
+    `static`'s config and ops: into the trunk's KV and null block (slots, lens [B] int32 and fresh
+    as `PoolIO`'s), or with `drafter` into the drafter's KV and null block (the drafter holds no GDN
+    state: no slots or lens). No verify rows (a verify adds vrow_base and vslot)."""
+    counts = static.counts
     return PoolIO(
         cfg=static.cfg,
-        slots=None,
-        lens=None,
+        slots=slots,
+        lens=lens,
         positions=positions,
-        block_tables=draft_tables,
-        null_block=static.counts.draft_null_block,
-        gdn_mode="rows",
+        block_tables=block_tables,
+        null_block=counts.draft_null_block if drafter else counts.null_block,
+        gdn_mode=gdn_mode,
         ops=static.ops,
+        fresh=fresh,
     )
 
 
@@ -74,7 +92,7 @@ def _drafter_catch_up(
     pool = pool.replace(stash=stash)
     prev = jnp.concatenate([stashed[:, None, :], hidden[:, :-1]], axis=1)
     mtp_pos = jnp.where(positions > 0, positions - 1, -1)
-    io = _drafter_io(static, mtp_pos, draft_tables)
+    io = _pool_io(static, mtp_pos, draft_tables, drafter=True)
     state = TrunkState(gdn_h=None, gdn_conv=None, kv_k=draft_k, kv_v=draft_v)
     _, _, state = mtp_forward(params, static.cfg, tokens, _mtp_hidden(params, static.cfg, prev), io, state, 0)
     return pool.replace(draft_k=state.kv_k, draft_v=state.kv_v)
@@ -110,17 +128,7 @@ def prefill_chunk(
     chex.assert_shape([start, length, slot], (1,))
     chex.assert_shape(chunk.block_table, (1, counts.max_blocks_per_seq))
     positions = _positions(start, length, tokens.shape[1])
-    io = PoolIO(
-        cfg=cfg,
-        slots=slot,
-        lens=length,
-        positions=positions,
-        block_tables=chunk.block_table,
-        null_block=counts.null_block,
-        gdn_mode="chunk",
-        ops=static.ops,
-        fresh=start == 0,
-    )
+    io = _pool_io(static, positions, chunk.block_table, gdn_mode="chunk", slots=slot, lens=length, fresh=start == 0)
     hidden, trunk_state = trunk(params, cfg, tokens, io, pool.trunk)
     pool = pool.replace(trunk=trunk_state)
     last_hidden = _last_rows(hidden, length)
@@ -162,18 +170,9 @@ def step_rows(
             (pool.ckpt_h.at[:, vslot].set(h[:, slots]), pool.ckpt_conv.at[:, vslot].set(c[:, slots])), h, c
         )
         pool = pool.replace(trunk=pool.trunk.replace(gdn_h=h, gdn_conv=c), ckpt_h=ckpt_h, ckpt_conv=ckpt_conv)
-    io = PoolIO(
-        cfg=cfg,
-        slots=slots,
-        lens=lens,
-        positions=positions,
-        block_tables=batch.block_tables,
-        null_block=counts.null_block,
-        gdn_mode="rows",
-        ops=static.ops,
-        vrow_base=vrow_base if verify else None,
-        vslot=vslot if verify else None,
-    )
+    io = _pool_io(static, positions, batch.block_tables, slots=slots, lens=lens)
+    if verify:  # write-on-accept: the GDN layers also write the sequences' verify rows
+        io = dataclasses.replace(io, vrow_base=vrow_base, vslot=vslot)
     hidden, trunk_state = trunk(params, cfg, tokens, io, pool.trunk)
     pool = pool.replace(trunk=trunk_state)
     if static.drafter:
@@ -186,6 +185,17 @@ def step_rows(
     return logits, first_argmax(logits), flat, pool
 
 
+def _take_accepted(
+    live: jax.Array, verify: jax.Array | None, slots: jax.Array, mask: jax.Array, index: tuple[jax.Array, ...]
+) -> jax.Array:
+    """live [L, S, ...] with slot slots[i] set to verify[:, *index][:, i] where mask [1, B, 1, ...]
+    (the sequences that accepted fewer rows than they verified) holds, and kept elsewhere.
+    verify: the verify pool the accepted rows are read from (an array whenever a verify ran)."""
+    assert verify is not None, "a verify's accepted state needs its verify pool"
+    picked = jnp.where(mask, verify[(slice(None), *index)], live[:, slots])
+    return live.at[:, slots].set(picked)
+
+
 def gdn_fold_accepted(pool: EnginePool, verdicts: inputs.VerdictBatch) -> EnginePool:
     """Select each sequence's accepted GDN state (reads slots, rows, ks, vrow_base of `verdicts`).
 
@@ -195,12 +205,10 @@ def gdn_fold_accepted(pool: EnginePool, verdicts: inputs.VerdictBatch) -> Engine
     slots, rows, ks, vrow_base = verdicts.slots, verdicts.rows, verdicts.ks, verdicts.vrow_base
     chex.assert_equal_shape([slots, rows, ks, vrow_base])
     h, _ = _live(pool)
-    vh = pool.trunk.verify_h
-    assert vh is not None
     partial = rows < ks
     src = jnp.where(partial, vrow_base + rows - 1, 0)
-    picked = jnp.where(partial[None, :, None, None, None], vh[:, src], h[:, slots])
-    return pool.replace(trunk=pool.trunk.replace(gdn_h=h.at[:, slots].set(picked)))
+    h = _take_accepted(h, pool.trunk.verify_h, slots, partial[None, :, None, None, None], (src,))
+    return pool.replace(trunk=pool.trunk.replace(gdn_h=h))
 
 
 def restore_checkpoint(pool: EnginePool, verdicts: inputs.VerdictBatch) -> EnginePool:
@@ -222,11 +230,11 @@ def commit_conv(pool: EnginePool, verdicts: inputs.VerdictBatch) -> EnginePool:
     slots, vslots, rows, ks = verdicts.slots, verdicts.vslots, verdicts.rows, verdicts.ks
     chex.assert_equal_shape([slots, vslots, rows, ks])
     _, c = _live(pool)
-    vc = pool.trunk.verify_conv
-    assert vc is not None
     partial = rows < ks
-    picked = jnp.where(partial[None, :, None, None], vc[:, vslots, jnp.maximum(rows - 1, 0)], c[:, slots])
-    return pool.replace(trunk=pool.trunk.replace(gdn_conv=c.at[:, slots].set(picked)))
+    c = _take_accepted(
+        c, pool.trunk.verify_conv, slots, partial[None, :, None, None], (vslots, jnp.maximum(rows - 1, 0))
+    )
+    return pool.replace(trunk=pool.trunk.replace(gdn_conv=c))
 
 
 def stash_hidden_rows(pool: EnginePool, hidden: jax.Array, stash: inputs.StashBatch) -> EnginePool:
@@ -259,7 +267,7 @@ def propose(
     logits = None
     for j in range(static.num_drafts):
         pos = jnp.where(valid, seq_lens - 1 + j, -1)[:, None]
-        io = _drafter_io(static, pos, batch.draft_tables)
+        io = _pool_io(static, pos, batch.draft_tables, drafter=True)
         hidden, logits, state = mtp_forward(params, cfg, tok, hidden, io, state, j % cfg.num_mtp_layers)
         logits = logits[:, 0]
         d = first_argmax(logits)

@@ -1,0 +1,56 @@
+"""The benchmark's resolved settings: every value a section reads, one frozen dataclass passed whole.
+
+Owns: the names of the settings and what each means. `cli._resolve` fills every field from the
+command line's options, with the preset's value (default, `--smoke`, `--gpu`, `--gpu --dry-run`)
+where an option is absent; each section's `run(settings)` reads the fields it needs and nothing
+else. The JSON's "settings" is `dataclasses.asdict` of it, in field order.
+
+Invariants: a section's sizes come from here alone (`step_shape` takes the largest of `ns` and of `ks`);
+the dataclass holds no jax values, so building it loads nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model: str  # hf, forwards, gap: a preset, tiny-2L, qwen3-next-<L>L[-i<n>] or a checkpoint directory
+    forward_steps: list[str]  # forwards: which of prefill, decode, verify
+    sections: list[str]
+    repeats: int  # timed repeats per case
+    warmup: int  # untimed calls per side first
+    block: int  # hf: back-to-back calls per side and round
+    prefill_lens: list[int]  # hf: prefill lengths; forwards: the first (at least 16)
+    ns: list[int]  # hf: sequences per decode/verify step
+    ks: list[int]  # hf: verify rows per sequence
+    ctx: int  # context tokens before decode/verify
+    compile_models: list[str]
+    compile_steps: int  # compile: verify-loop steps
+    compile_repeats: int  # compile: runs per case
+    isolate: bool  # compile: each run in a fresh process
+    roofline_dry: bool  # roofline: tiny width under the interpreter
+    roofline_layers: int
+    roofline_ctx: int  # roofline: cached tokens per sequence
+    roofline_decode_ns: list[int]
+    roofline_verify_ns: list[int]
+    roofline_k: int  # roofline: verify rows per sequence
+    roofline_iters: int  # roofline: timed runs per step
+    gaps_ms: list[int]  # gap: idle gaps before each verify call
+    gap_calls: int  # gap: timed calls per gap and round
+    gap_rounds: int  # gap: rounds over the gaps
+    slots_model: str
+    slot_counts: list[int]  # slots: the engines' slot counts (max batch)
+    slots_iters: int  # slots: timed runs per step
+    hf_create: bool  # hf: create the HF venv when it is absent
+    workdir: str  # checkpoint and driver logs
+    threads: int  # threads per side; 0 = library defaults
+    hf_impl: str  # hf: "default" or "eager" attention/experts implementations
+    seed: int
+
+    @property
+    def step_shape(self) -> tuple[int, int]:
+        """(n, k) of the forwards, gap and slots sections' steps: n sequences, the largest of `ns`,
+        of k rows each, the largest of `ks`."""
+        return max(self.ns), max(self.ks)
