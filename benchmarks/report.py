@@ -63,12 +63,13 @@ class Table:
         return "\n".join(out + [f"   {f}" for f in self.footer])
 
     def markdown(self) -> str:
+        """The title as a heading, the notes and footer as one list, then the grids."""
         out = [f"#### {self.title}", ""]
-        if self.notes:
-            out += [*(f"- {n}" for n in self.notes), ""]
+        bullets = [*self.notes, *self.footer]
+        if bullets:
+            out += [*(f"- {n}" for n in bullets), ""]
         for g in self.grids:
             out += [*markdown_table(g.headers, g.rows, right=g.right), ""]
-        out += [f"- {f}" for f in self.footer]
         return "\n".join(out).rstrip("\n")
 
 
@@ -147,8 +148,7 @@ def hf_table(r: dict) -> Table:
             f"model {r['model']}, decode/verify context {r['context_tokens']} tokens; {r['repeats']} repeats "
             f"alternated JAX/HF after {r['warmup']} warm-up; times in ms: median (min-max); JAX/HF = ratio of "
             "medians (p25-p75 of per-round ratios)",
-            "'JAX dev' = the engine's compiled program alone (no host bookkeeping, no logits copy): the rest of "
-            "'JAX' is host work",
+            "'JAX dev' = the engine's compiled program alone (the rest of 'JAX' is host work); "
             f"'b2b' = the same calls in {r['block']}-call blocks back to back (blocks alternated, the steady state "
             "of a serving loop; the call-by-call columns start every call after the other side's turn)",
         ),
@@ -387,7 +387,7 @@ TABLES = {
 
 def notes_markdown(command: str, machine: str, tables: Sequence[Table]) -> str:
     """The results section's body: how it was made, the machine line, then every table."""
-    head = f"Written by `{command}`; regenerate with `make bench` rather than editing by hand.\n\n{machine}"
+    head = f"Written by `{command}` (`make bench`; not edited by hand). {machine}"
     return "\n\n".join([head, *(t.markdown() for t in tables)])
 
 
