@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -25,7 +26,7 @@ from metrale_jax.diff.variants import known_labels
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import EngineError
-from metrale_jax.engine.settings import resolve_settings
+from metrale_jax.engine.settings import SERVE_FLAGS, EngineSettings, resolve_settings
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli.errors import UsageError, user_errors
 from metrale_jax_cli.model_toml import load_behavior
@@ -44,7 +45,7 @@ def _ints(flag: str, text: str | None) -> tuple[int, ...]:
         raise UsageError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
-def _settings(checkpoint: str, raw: dict, request: DiffRequest):
+def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> EngineSettings:
     """Resolve the serve flags, sizing the context and slots the user left unset."""
     behavior = load_behavior(Path(checkpoint) / "MODEL.toml") if os.path.isdir(checkpoint) else None
     auto = min(request.slots_needed(), AUTO_MAX_SLOTS)
@@ -57,7 +58,7 @@ def _settings(checkpoint: str, raw: dict, request: DiffRequest):
     if not sized:
         return settings
     settings = resolve_settings({**raw, **sized}, behavior, auto_slots=auto)
-    opts = {"--" + k.replace("_", "-") for k in sized}
+    opts = {flag.opt for flag in SERVE_FLAGS if flag.name in sized}
     table = tuple(
         dataclasses.replace(p, requested="", rule=SIZED_RULE) if p.setting in opts else p for p in settings.provenance
     )
@@ -137,10 +138,7 @@ def diff(
     raw = pop_serve_raw(ctx, serve)
     cfg, params = resolve_checkpoint(checkpoint, dtype)
     settings = _settings(checkpoint, raw, request)
-    try:
-        engine = Engine(cfg, params, settings)
-    except EngineError as e:
-        raise UsageError(str(e)) from None
+    engine = Engine(cfg, params, settings)
     variants, unavailable = default_variants(names)
     try:
         report = run_diff(engine, request, variants, unavailable, progress=Bar())

@@ -63,7 +63,8 @@ def plan(
     _, raw = parse_serve_argv(argv)
     behavior = load_behavior(source.model_toml)
     settings = resolve_settings(raw, behavior, auto_slots=min(concurrency, AUTO_MAX_SLOTS))
-    served = parse_dtype(dtype or source.dtype)
+    dtype_name = dtype or source.dtype
+    served = parse_dtype(dtype_name)
     model = ActivationModel(source.config, served) if activations else None
     planner = Planner(
         config=source.config,
@@ -87,9 +88,7 @@ def plan(
         checkpoint=source.id,
         config_from=source.config_from,
         weights_from=(
-            f"{len(source.tensors)} tensors on disk"
-            if source.bindings
-            else f"shapes of init_params, {dtype or source.dtype}"
+            f"{len(source.tensors)} tensors on disk" if source.bindings else f"shapes of init_params, {dtype_name}"
         ),
         behavior_from=behavior.source,
         outside_bytes=outside_bytes(source),

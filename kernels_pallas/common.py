@@ -4,7 +4,8 @@ differs between the CPU interpreter and Triton, and the "bounded" contract's all
 
 Owns: what "interpret" means here (the Pallas interpreter; the default whenever the default
 backend is not a GPU), the mode aliases (`Backend`, `Implementation`, `MatvecForm`), which GPU
-shape rules a kernel must satisfy before it is lowered, `contract_bound`, and `KernelRefused`.
+shape rules a kernel must satisfy before it is lowered, `contract_bound`, `KernelRefused`, and
+`dispatch` (the reference / refusal / kernel choice every `api` entry point makes).
 
 Invariants:
 - A kernel body is the same code on both backends, except for the forms picked from the interpret
@@ -17,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -96,6 +98,31 @@ def contract_bound(reference_err: float, dtype) -> float:
 
 class KernelRefused(ValueError):
     """A Pallas kernel was asked for on shapes or a backend its `*_supported` check refuses."""
+
+
+def dispatch[TilingT, OutT](
+    kernel_name: str,
+    implementation: str,
+    interpret: bool | None,
+    tiling: TilingT | None,
+    *,
+    reference: Callable[[], OutT],
+    default_tiling: Callable[[bool], TilingT],
+    supported: Callable[[Backend, TilingT], str | None],
+    kernel: Callable[[TilingT, bool], OutT],
+) -> OutT:
+    """The body every `api` entry point shares. Checks `implementation` (ValueError); "reference"
+    returns `reference()`. "pallas" resolves `interpret` (None = `default_interpret()`) and `tiling`
+    (None = `default_tiling(interpret)`), raises `KernelRefused("<kernel_name>: <reason>")` when
+    `supported(backend_of(interpret), tiling)` gives a reason, and returns `kernel(tiling, interpret)`."""
+    check_implementation(implementation)
+    if implementation == "reference":
+        return reference()
+    interpret = default_interpret() if interpret is None else interpret
+    tiling = tiling or default_tiling(interpret)
+    if reason := supported(backend_of(interpret), tiling):
+        raise KernelRefused(f"{kernel_name}: {reason}")
+    return kernel(tiling, interpret)
 
 
 def backend_reason(backend: str) -> str | None:

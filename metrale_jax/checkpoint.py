@@ -181,14 +181,14 @@ def _one(path, name, shape, fwd=lambda x: x, back=lambda x: x):
     return Binding(path, (name,), (shape,), lambda a: fwd(a[0]), lambda w: [back(w)])
 
 
-def _qkvz_layout(cfg: ModelConfig):
-    nk, dk, r, dv = (
+def _qkvz_layout(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """HF's GDN grouping: (key heads nk, key dim dk, value heads per key head r, value dim dv)."""
+    return (
         cfg.linear_num_key_heads,
         cfg.linear_key_head_dim,
         cfg.linear_num_value_heads // cfg.linear_num_key_heads,
         cfg.linear_value_head_dim,
     )
-    return nk, dk, r, dv
 
 
 def _deinterleave_qkvz(w, cfg):

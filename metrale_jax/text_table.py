@@ -22,10 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def _widths(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[int]:
-    return [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-
-
 def text_table(
     headers: Sequence[str],
     rows: Sequence[Sequence[object]],
@@ -39,7 +35,7 @@ def text_table(
     Every row has as many cells as `headers`; cells are `str()`-ed. `right`: indices of the
     right-aligned columns. `indent` prefixes every line (before the right-strip of the rest)."""
     cells = [[str(c) for c in r] for r in rows]
-    widths = _widths(headers, cells)
+    widths = [max(len(x) for x in col) for col in zip(headers, *cells)]
 
     def line(row: Sequence[str]) -> str:
         padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))

@@ -79,21 +79,8 @@ def test_mtp_state_slots_floor_of_32_capped_by_slots():
 
 
 def test_bucket_width_pads_to_the_next_rung():
-    assert [bucket_width(n) for n in (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 128)] == [
-        1,
-        2,
-        4,
-        8,
-        12,
-        16,
-        24,
-        32,
-        48,
-        64,
-        96,
-        128,
-        128,
-    ]
+    widths = (1, 2, 3, 5, 9, 13, 17, 25, 33, 49, 65, 97, 128)
+    assert [bucket_width(n) for n in widths] == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 128]
     assert all(bucket_width(w) == w for w in DECODE_BATCH_LADDER)
     for bad in (0, 129):
         with pytest.raises(ValueError):
@@ -129,18 +116,21 @@ def test_without_speculation_there_are_no_verify_pools():
     assert c.ring_slots == 0  # auto: this engine has no decode-rollback ring
 
 
+def test_a_drafter_runs_only_in_a_speculative_serve_of_a_model_with_mtp_layers():
+    spec = settings(max_batch_size=4, speculative=True)
+    assert pool_counts(spec, Arch()).drafter
+    assert not pool_counts(spec, Arch(num_mtp_layers=0)).drafter
+    assert not pool_counts(settings(max_batch_size=4), Arch()).drafter
+
+
 def test_sixteen_slots_three_drafts_tiered_h_rows_and_flat_offsets():
     c = pool_counts(settings(max_batch_size=16, speculative=True, num_drafts=3), Arch())
     assert (c.k, c.mtp_slots, c.verify_slots) == (4, 16, 17)
     assert c.h_steps == (3,) * 8 + (1,) * 8 + (3,)
     assert c.h_step_offsets == (0, 3, 6, 9, 12, 15, 18, 21, 24, 25, 26, 27, 28, 29, 30, 31, 32, 35)
     assert c.h_step_rows == 35
-    assert (c.conv_steps, c.checkpoint_slots, c.stash_rows, c.ring_slots) == (
-        4,
-        17,
-        17,
-        0,
-    )  # stash: one row per slot, the dummy included
+    # stash: one row per slot, the dummy included
+    assert (c.conv_steps, c.checkpoint_slots, c.stash_rows, c.ring_slots) == (4, 17, 17, 0)
     assert [c.slot_draft_capacity(s) for s in range(16)] == [3] * 8 + [1] * 8
 
 

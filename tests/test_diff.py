@@ -99,7 +99,7 @@ def test_control_row_skips_rows_left_out():
     assert control_row(2, [0, 1]) == 1
 
 
-def test_prompts_are_the_originals_fixed_lcg_streams():
+def test_prompts_are_fixed_lcg_streams():
     p = prompts(2, 256)
     assert [len(x) for x in p] == [23, 64] and p[0][:6] == [110, 103, 150, 145, 116, 153]
     b = batch_prompts(4, 160)

@@ -79,9 +79,9 @@ def test_chunk_bit_identical(t, initial_state):
 @pytest.mark.parametrize("t", [64, 70])
 def test_chunk_bit_identical_at_tiny_prefill_shape(t):
     """One sequence, GVA 2, dk 8, dv 16: the engine's prefill chunk on the tiny preset. On jax
-    0.11.2 the reference's state update written as swapaxes + @ rounded differently from the
-    kernel's x.T @ y here (B = 1 and dv = 16; 162-366 of 512 final-state elements), and only here
-    among the shapes of this file (see the reference's NOTE)."""
+    0.11.2's XLA CPU a state update written as swapaxes + @ rounds differently from the kernel's
+    x.T @ y at this shape (B = 1, dv = 16), and only here among the shapes of this file, so this
+    case holds the reference to the in-place contraction (see the reference's NOTE)."""
     args = testing.gdn_inputs(np.random.default_rng(t), 1, t, 2, 4, 8, 16, initial_state=True)
     if reason := api.gdn_chunk_supported(*args, backend=BACKEND, tiling=pallas_gpu.ChunkTiling(block_v=16)):
         pytest.skip(reason)

@@ -129,11 +129,14 @@ def test_the_swap_record_is_typed(served):
 
 
 @pytest.mark.parametrize("max_seq_len", [1, 15, 16, 17, 128, 32768])
-def test_draft_table_width_holds_every_drafter_block(served, max_seq_len):
-    """The drafter table has an entry for every drafter block a sequence may reserve, and the
-    engine and the planner both build their tables at that width."""
+def test_draft_table_width_holds_every_drafter_block(max_seq_len):
+    """The drafter table has an entry for every drafter block a sequence may reserve."""
     w = draft_table_width(max_seq_len)
     assert w >= math.ceil(max_seq_len / 16) and w == max_seq_len // 16 + 2
+
+
+def test_the_engine_builds_its_drafter_tables_at_that_width(served):
+    """Every drafter table the engine passes (prefill, decode / verify, propose) has that width."""
     eng, calls, _ = served
     assert eng.draft_width == draft_table_width(eng.settings.max_seq_len)
     for (name, _), args in calls.items():

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
-from kernels_pallas.common import Implementation, KernelRefused
+from kernels_pallas.common import Implementation
 from kernels_pallas.gdn import pallas_gpu, reference
 from kernels_pallas.gdn.pallas_gpu import ChunkTiling, RowsTiling
 
@@ -109,14 +109,18 @@ def recurrent_gated_delta_rule(
     "reference". interpret: None = `common.default_interpret()`. tiling: None =
     `RowsTiling.get_default`.
     """
-    common.check_implementation(implementation)
-    if implementation == "reference":
-        return reference.recurrent_gated_delta_rule(q, k, v, g, beta, h0)
-    interpret = common.default_interpret() if interpret is None else interpret
-    tiling = tiling or RowsTiling.get_default(v.shape[-1], interpret=interpret)
-    if reason := gdn_rows_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), tiling=tiling):
-        raise KernelRefused(f"gdn rows kernel: {reason}")
-    return pallas_gpu.recurrent_gated_delta_rule(q, k, v, g, beta, h0, tiling=tiling, interpret=interpret)
+    return common.dispatch(
+        "gdn rows kernel",
+        implementation,
+        interpret,
+        tiling,
+        reference=lambda: reference.recurrent_gated_delta_rule(q, k, v, g, beta, h0),
+        default_tiling=lambda interp: RowsTiling.get_default(v.shape[-1], interpret=interp),
+        supported=lambda backend, til: gdn_rows_supported(q, k, v, g, beta, h0, backend=backend, tiling=til),
+        kernel=lambda til, interp: pallas_gpu.recurrent_gated_delta_rule(
+            q, k, v, g, beta, h0, tiling=til, interpret=interp
+        ),
+    )
 
 
 def chunk_gated_delta_rule(
@@ -133,11 +137,15 @@ def chunk_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked prefill: (o [B, T, H, dv] f32, final_state [B, H, dk, dv] f32). Arguments and
     switches as `recurrent_gated_delta_rule`; tiling: None = `ChunkTiling.get_default`."""
-    common.check_implementation(implementation)
-    if implementation == "reference":
-        return reference.chunk_gated_delta_rule(q, k, v, g, beta, h0)
-    interpret = common.default_interpret() if interpret is None else interpret
-    tiling = tiling or ChunkTiling.get_default(v.shape[-1], interpret=interpret)
-    if reason := gdn_chunk_supported(q, k, v, g, beta, h0, backend=common.backend_of(interpret), tiling=tiling):
-        raise KernelRefused(f"gdn chunk kernel: {reason}")
-    return pallas_gpu.chunk_gated_delta_rule(q, k, v, g, beta, h0, tiling=tiling, interpret=interpret)
+    return common.dispatch(
+        "gdn chunk kernel",
+        implementation,
+        interpret,
+        tiling,
+        reference=lambda: reference.chunk_gated_delta_rule(q, k, v, g, beta, h0),
+        default_tiling=lambda interp: ChunkTiling.get_default(v.shape[-1], interpret=interp),
+        supported=lambda backend, til: gdn_chunk_supported(q, k, v, g, beta, h0, backend=backend, tiling=til),
+        kernel=lambda til, interp: pallas_gpu.chunk_gated_delta_rule(
+            q, k, v, g, beta, h0, tiling=til, interpret=interp
+        ),
+    )

@@ -201,7 +201,7 @@ def chunk_gated_delta_rule(
 
     NOTE: T is padded to a multiple of the chunk with identity rows (k = v = g = beta = 0), as in the
     reference; the padded copy of the inputs is the only traffic beyond the kernel's own, and only
-    when T % CHUNK != 0.
+    when T % chunk != 0.
     """
     b, t, hk, dk = q.shape
     heads, dv = v.shape[2:]

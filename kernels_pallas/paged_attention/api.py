@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import common
-from kernels_pallas.common import Implementation, KernelRefused
+from kernels_pallas.common import Implementation
 from kernels_pallas.paged_attention import pallas_gpu, reference
 from kernels_pallas.paged_attention.pallas_gpu import AttentionTiling, Form
 
@@ -114,26 +114,19 @@ def paged_attention(
     "reference". interpret: None = `common.default_interpret()`. tiling: None =
     `AttentionTiling.get_default`; form: the kernel body's form, None = `pallas_gpu.default_form(interpret)`.
     """
-    common.check_implementation(implementation)
-    if implementation == "reference":
-        return reference.paged_attention(q, k_cache, v_cache, block_tables, positions, scale)
-    interpret = common.default_interpret() if interpret is None else interpret
-    tiling = tiling or AttentionTiling.get_default(
-        q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interpret
-    )
-    backend = common.backend_of(interpret)
-    if reason := paged_attention_supported(
-        q, k_cache, v_cache, block_tables, positions, backend=backend, tiling=tiling
-    ):
-        raise KernelRefused(f"paged attention kernel: {reason}")
-    return pallas_gpu.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        positions,
-        scale,
-        tiling=tiling,
-        interpret=interpret,
-        form=form,
+    return common.dispatch(
+        "paged attention kernel",
+        implementation,
+        interpret,
+        tiling,
+        reference=lambda: reference.paged_attention(q, k_cache, v_cache, block_tables, positions, scale),
+        default_tiling=lambda interp: AttentionTiling.get_default(
+            q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interp
+        ),
+        supported=lambda backend, til: paged_attention_supported(
+            q, k_cache, v_cache, block_tables, positions, backend=backend, tiling=til
+        ),
+        kernel=lambda til, interp: pallas_gpu.paged_attention(
+            q, k_cache, v_cache, block_tables, positions, scale, tiling=til, interpret=interp, form=form
+        ),
     )

@@ -165,7 +165,6 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
         out.argmax_equal = not ints
 
     def where(r: int, c: int, why: str) -> dict:
-        u = ulp
         d = {
             "part": ref.name,
             "row": r,
@@ -174,7 +173,7 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
             "replay": b2[r, c].item() if ints else float(fb[r, c]),
             "reference_hex": _hex(ua[r, c]),
             "replay_hex": _hex(ub[r, c]),
-            "ulp": None if u is None else int(u[r, c]),
+            "ulp": None if ulp is None else int(ulp[r, c]),
             "abs_diff": float(absd[r, c]),
             "max_abs_diff": out.max_abs,
             "why": why,

@@ -16,7 +16,7 @@ from typing import TextIO
 
 from rich.console import Console
 from rich.progress import Progress as RichProgress
-from rich.progress import ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 
@@ -57,8 +57,6 @@ class Bar(Progress):
         self.stream = stream
         self.live = stream.isatty()
         self._display: RichProgress | None = None
-        self._task: TaskID | None = None
-        self._done, self._total = 0, 0
 
     def section(self, label: str, total: int) -> None:
         if not self.live:
@@ -74,15 +72,14 @@ class Bar(Progress):
                 redirect_stderr=False,
             )
             self._display.start()
-        self._done, self._total = 0, max(total, 1)
-        self._task = self._display.add_task(label, total=self._total)
+        self._display.add_task(label, total=max(total, 1))
 
     def advance(self, units: int = 1) -> None:
-        if self._display is not None and self._task is not None:
-            self._done = min(self._done + units, self._total)
-            self._display.update(self._task, completed=self._done)
+        if self._display is not None and self._display.tasks:
+            task = self._display.tasks[-1]  # the current section
+            self._display.update(task.id, completed=min(task.completed + units, task.total or 1))
 
     def close(self) -> None:
         if self._display is not None:
             self._display.stop()
-        self._display, self._task = None, None
+        self._display = None

@@ -42,15 +42,8 @@ class DiffRequest:
     swap: bool = False
 
     def _modes_given(self) -> list[str]:
-        """The non-default modes whose flag (`--<mode>`) is set, in `MODES` order."""
-        flags = {
-            "batch": self.batch,
-            "verify": self.verify,
-            "verify-batch": self.verify_batch,
-            "prefill": self.prefill,
-            "swap": self.swap,
-        }
-        return [m for m, on in flags.items() if on]
+        """The non-default modes whose flag (`--<mode>`, the field of the same name) is set, in `MODES` order."""
+        return [m for m in MODES[1:] if getattr(self, m.replace("-", "_"))]
 
     @property
     def mode(self) -> str:

@@ -86,15 +86,16 @@ def run_verify(
         last = [int(x) for x in first.argmax(axis=1)]
         pos = [0] * n
         progress.advance()
+        # The slots and widths are fixed for the run, so one check covers every step.
+        reason = engine.can_batch_verify(seqs, ks)
+        if reason:
+            raise RuntimeError(f"the engine refuses a batched verify of {list(ks)}: {reason}")
         for s in range(steps):
             if log is not None:
                 tokens = list(log[s].tokens)
             else:
                 assert greedy is not None  # exactly one of greedy and log (checked above)
                 tokens = [t for i in range(n) for t in [last[i], *step_drafts(greedy[i], pos[i], s + i, ks[i], vocab)]]
-            reason = engine.can_batch_verify(seqs, ks)
-            if reason:
-                raise RuntimeError(f"the engine refuses a batched verify of {list(ks)}: {reason}")
             t0 = time.perf_counter()
             logits, argmax = engine.verify_batched(seqs, tokens, ks)
             t1 = time.perf_counter()

@@ -212,6 +212,12 @@ class PoolCounts:
         return self.slot_drafts[slot] if slot < self.mtp_slots else 0
 
     @property
+    def drafter(self) -> bool:
+        """An MTP drafter runs (a speculative serve of a model with MTP layers): exactly when the
+        drafter's stash has rows."""
+        return self.stash_rows > 0
+
+    @property
     def dummy_slot(self) -> int:
         """The padding sequence slot (`slots - 1`), which no real sequence uses."""
         return self.slots - 1
@@ -270,9 +276,8 @@ def pool_counts(settings: EngineSettings, config: ModelCounts, *, tokens_per_seq
         offsets.append(offsets[-1] + rows)
     kv_blocks = kv_blocks_for(real, tokens, s.block_size)
     per_seq_draft = tokens // DRAFT_KV_BLOCK_SIZE + 1
-    draft_kv_blocks = (
-        min(per_seq_draft * s.mtp_max_seqs, per_seq_draft * real) + 1 if spec and config.num_mtp_layers > 0 else 0
-    )
+    drafter = spec and config.num_mtp_layers > 0
+    draft_kv_blocks = min(per_seq_draft * s.mtp_max_seqs, per_seq_draft * real) + 1 if drafter else 0
     chunk = prefill_chunk_tokens(s.max_prefill_tokens, s.max_seq_len, s.block_size)
     return PoolCounts(
         real_slots=real,
@@ -287,7 +292,7 @@ def pool_counts(settings: EngineSettings, config: ModelCounts, *, tokens_per_seq
         checkpoint_slots=mtp_slots + 1 if spec else 0,
         snapshot_slots=s.ssm_cache_slots if s.enable_prefix_caching else 0,
         ring_slots=s.ssm_decode_ring_slots if config.num_linear_layers > 0 else 0,
-        stash_rows=real + 1 if spec and config.num_mtp_layers > 0 else 0,
+        stash_rows=real + 1 if drafter else 0,
         block_size=s.block_size,
         kv_tokens=tokens,
         kv_blocks=kv_blocks,

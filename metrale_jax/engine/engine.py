@@ -81,7 +81,7 @@ class Engine:
         self.dtype = params["embed"].dtype
         self.counts = pool_counts(settings, cfg)
         self.pool = allocate_pool(cfg, self.counts, settings, dtype=self.dtype)
-        self.drafter = self.counts.speculative and cfg.num_mtp_layers > 0
+        self.drafter = self.counts.drafter
         self.slots = SlotAllocator(self.counts.real_slots)
         self.blocks = BlockAllocator(self.counts.kv_blocks - 1, "KV blocks")
         self.draft_blocks = BlockAllocator(max(self.counts.draft_kv_blocks - 1, 0), "drafter KV blocks")
@@ -287,9 +287,8 @@ class Engine:
 
     def _restore(self, seqs: Sequence[SequenceState], mask: Sequence[bool]) -> None:
         """Put back the pre-verify GDN state of seqs[i] where mask[i]."""
-        v = VerdictBatch.padded(self.counts, bucket_width(len(seqs)))
-        for i, (s, m) in enumerate(zip(seqs, mask)):
-            v.slots[i], v.vslots[i], v.restore[i] = s.slot, self.counts.verify_slot(s.slot), m
+        v = self._verdicts(seqs, [1] * len(seqs), [1] * len(seqs))
+        v.restore[: len(seqs)] = mask
         self.pool = self.programs.run("restore_ckpt", tr.restore_checkpoint, None, self.pool, v)
 
     def rollback_verify(self, seqs: Sequence[SequenceState]) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import chex
 import jax
 import numpy as np
 from flax import struct
@@ -107,7 +106,7 @@ class PrefillChunk(struct.PyTreeNode):
     @classmethod
     def padded(cls, counts: PoolCounts, draft_width: int, tb: int) -> PrefillChunk:
         """A chunk of bucket `tb` with no tokens, on the dummy slot and null tables."""
-        out = cls(
+        return cls(
             tokens=_full((1, tb), 0),
             start=_full((1,), 0),
             length=_full((1,), 0),
@@ -115,8 +114,6 @@ class PrefillChunk(struct.PyTreeNode):
             block_table=_full((1, counts.max_blocks_per_seq), counts.null_block),
             draft_table=_full((1, draft_width), counts.draft_null_block),
         )
-        chex.assert_shape(out.tokens, (1, tb))
-        return out
 
 
 class StepBatch(struct.PyTreeNode):
@@ -136,7 +133,7 @@ class StepBatch(struct.PyTreeNode):
     @classmethod
     def padded(cls, counts: PoolCounts, draft_width: int, b: int, t: int, *, verify: bool) -> StepBatch:
         """B padding sequences of T rows (verify addressing: the verify dummy's, else 0)."""
-        out = cls(
+        return cls(
             tokens=_full((b, t), 0),
             lens=_full((b,), 0),
             seq_lens=_full((b,), 0),
@@ -147,9 +144,6 @@ class StepBatch(struct.PyTreeNode):
             vslot=_full((b,), counts.verify_dummy_slot if verify else 0),
             row_index=_full((b * t,), 0),
         )
-        chex.assert_shape(out.tokens, (b, t))
-        chex.assert_shape([out.lens, out.seq_lens, out.slots, out.vrow_base, out.vslot], (b,))
-        return out
 
 
 class ProposeBatch(struct.PyTreeNode):
@@ -164,15 +158,13 @@ class ProposeBatch(struct.PyTreeNode):
     @classmethod
     def padded(cls, counts: PoolCounts, draft_width: int, b: int) -> ProposeBatch:
         """B invalid proposes on the dummy slot and the drafter's null block."""
-        out = cls(
+        return cls(
             last=_full((b,), 0),
             seq_lens=_full((b,), 1),
             slots=_full((b,), counts.dummy_slot),
             draft_tables=_full((b, draft_width), counts.draft_null_block),
             valid=np.zeros((b,), bool),
         )
-        chex.assert_shape([out.last, out.seq_lens, out.slots, out.valid], (b,))
-        return out
 
 
 # ---------------------------------------------------------------- the verdict's programs
@@ -195,7 +187,7 @@ class VerdictBatch(struct.PyTreeNode):
     @classmethod
     def padded(cls, counts: PoolCounts, b: int) -> VerdictBatch:
         """B verdicts that keep the live state of the dummy slot."""
-        out = cls(
+        return cls(
             slots=_full((b,), counts.dummy_slot),
             vslots=_full((b,), counts.verify_dummy_slot),
             rows=_full((b,), 1),
@@ -203,8 +195,6 @@ class VerdictBatch(struct.PyTreeNode):
             vrow_base=_full((b,), counts.h_step_offsets[counts.verify_dummy_slot]),
             restore=np.zeros((b,), bool),
         )
-        chex.assert_equal_shape([out.slots, out.vslots, out.rows, out.ks, out.vrow_base, out.restore])
-        return out
 
 
 class StashBatch(struct.PyTreeNode):
@@ -216,9 +206,7 @@ class StashBatch(struct.PyTreeNode):
     @classmethod
     def padded(cls, counts: PoolCounts, b: int) -> StashBatch:
         """B entries stashing verify row 0 into the dummy slot."""
-        out = cls(rows=_full((b,), 0), slots=_full((b,), counts.dummy_slot))
-        chex.assert_equal_shape([out.rows, out.slots])
-        return out
+        return cls(rows=_full((b,), 0), slots=_full((b,), counts.dummy_slot))
 
 
 # ---------------------------------------------------------------- swap

@@ -86,7 +86,7 @@ def allocate_pool(cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings
         else None,
     )
     ck = counts.checkpoint_slots
-    drafter = spec and nm > 0
+    drafter = counts.drafter
     return EnginePool(
         trunk=trunk,
         ckpt_h=zeros((nl, ck, *h_unit), hdt) if ck else None,

@@ -139,7 +139,7 @@ def step_programs(
 ) -> tuple[StepProgram, ...]:
     """The serve's step programs at its largest shapes, on the inputs `Engine.prefill`,
     `Engine._rows` and `Engine.propose_batched` build (`params` and `pool` abstract)."""
-    drafter = counts.speculative and config.num_mtp_layers > 0
+    drafter = counts.drafter
     mbd = draft_table_width(settings.max_seq_len)
     tb = counts.prefill_bucket(counts.prefill_chunk)
     out = [
@@ -177,11 +177,6 @@ def step_programs(
             )
         )
     return tuple(out)
-
-
-def compile_program(p: StepProgram):
-    """Compile `p` as `ProgramCache.run` does (`compile_transition`: the pool donated)."""
-    return compile_transition(p.fn, p.static, p.args)
 
 
 def _signature(tree: Any) -> list:
@@ -349,7 +344,7 @@ class ActivationModel:
         how = HOW_CACHED
         if entry is None:
             t0 = time.perf_counter()
-            ma = compile_program(p).memory_analysis()
+            ma = compile_transition(p.fn, p.static, p.args).memory_analysis()  # as ProgramCache.run
             seconds = time.perf_counter() - t0
             self.compiled += 1
             self.compile_seconds += seconds
