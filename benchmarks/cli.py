@@ -45,7 +45,7 @@ from benchmarks import report
 from benchmarks.settings import Settings
 from metrale_jax import runtime_env
 
-SECTIONS = ("hf", "compile", "forwards", "gap", "slots", "roofline")
+SECTIONS = ("hf", "hf-wide", "compile", "forwards", "gap", "slots", "roofline")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m benchmarks"
 
@@ -104,6 +104,10 @@ def _log(msg: str) -> None:
     default="default",
     help="hf: HF attention/experts implementations: from_pretrained's defaults or eager",
 )
+@click.option("--wide-model", default="qwen3-next-h512", help="hf-wide: the realistic-width model")
+@click.option("--wide-prefill-lens", callback=_ints, help="hf-wide: default 128,512")
+@click.option("--wide-ns", callback=_ints, help="hf-wide: sequences per decode/verify step, default 1,8")
+@click.option("--wide-ks", callback=_ints, help="hf-wide: verify rows per sequence, default 4")
 @click.option("--no-hf-setup", is_flag=True, help="hf: never create the HF venv (skip the section if absent)")
 @click.option("--forward-steps", callback=_strs, help="forwards: steps, default prefill,decode,verify")
 @click.option("--compile-models", callback=_strs, help="compile: default tiny,qwen3-next-48L (smoke: qwen3-next-4L-i2)")
@@ -165,7 +169,11 @@ def _resolve(a: dict[str, Any]) -> Settings:
     def d(v, full, small):
         return v if v is not None else (small if smoke else full)
 
-    default_sections = ["hf", "compile", "forwards", "gap", "slots"] + (["roofline"] if smoke else [])
+    default_sections = (
+        ["hf", "compile", "forwards", "gap", "slots", "roofline"]
+        if smoke
+        else ["hf", "hf-wide", "compile", "forwards", "gap", "slots"]
+    )
     return Settings(
         model=d(a["model"], "tiny", "tiny-2L"),
         forward_steps=d(a["forward_steps"], ["prefill", "decode", "verify"], ["verify"]),
@@ -177,6 +185,10 @@ def _resolve(a: dict[str, Any]) -> Settings:
         ns=d(a["ns"], [1, 4, 8], [1]),
         ks=d(a["ks"], [2, 3, 4], [2]),
         ctx=d(a["ctx"], 128, 16),
+        wide_model=a["wide_model"],
+        wide_prefill_lens=a["wide_prefill_lens"] or [128, 512],
+        wide_ns=a["wide_ns"] or [1, 8],
+        wide_ks=a["wide_ks"] or [4],
         compile_models=d(a["compile_models"], ["tiny", "qwen3-next-48L"], ["qwen3-next-4L-i2"]),
         compile_steps=d(a["compile_steps"], 50, 5),
         compile_repeats=d(a["compile_repeats"], 2, 1),
@@ -265,12 +277,12 @@ def _section(name: str, cfg: Settings) -> dict:
     from benchmarks import compile_cost, forwards, idle_gap, roofline, slot_scaling, vs_hf
     from benchmarks.hf_env import ensure_hf_venv
 
-    if name == "hf":
+    if name in ("hf", "hf-wide"):
         python, why = ensure_hf_venv(create=cfg.hf_create)
         if python is None:
             _log(f"HF comparison skipped: {why}")
             return {"skipped": why}
-        return vs_hf.run(cfg, python)
+        return vs_hf.run(cfg if name == "hf" else cfg.wide(), python)
     if name == "compile":
         return compile_cost.run(cfg, log=_log)
     runs: dict[str, Callable[[Settings], dict]] = {

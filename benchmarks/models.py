@@ -82,6 +82,29 @@ def qwen35_stack(layers: int = 4, tiny: bool = False) -> ModelConfig:
 # tiny-2L: the tiny preset's first two layers (GDN + MoE, attention + dense MLP);
 SMALL = {"tiny-2L": TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL), mlp_only_layers=(1,))}
 
+# A realistic-width Qwen3-Next (45 M parameters: hidden 512, 8 layers of the 3:1 pattern, GDN 4 key / 8 value
+# heads of 64, attention 8:2 x 64, 8 experts top-2 of 256 with a shared 256, vocab 8192, one MTP layer), where a
+# win at hidden 64 has to hold up: per-op overhead no longer hides the arithmetic and the weight traffic.
+WIDE = {
+    "qwen3-next-h512": TINY.replace(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        layer_types=interval_pattern(8),
+        mlp_only_layers=(),
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+    )
+}
+
 
 def _pattern_name(name: str):
     """`qwen3-next-<L>L` or `qwen3-next-<L>L-i<interval>` -> (L, interval), else None."""
@@ -97,18 +120,18 @@ def config(name: str) -> ModelConfig:
     """The config of `model(name)` without building its weights."""
     if (p := _pattern_name(name)) is not None:
         return qwen3_next_pattern(*p)
-    if name in SMALL:
-        return SMALL[name]
+    if name in SMALL or name in WIDE:
+        return {**SMALL, **WIDE}[name]
     if name in PRESETS:
         return PRESETS[name][0]
     return load_model_config(name)
 
 
 def model(name: str, dtype=jnp.float32):
-    """(cfg, params) of a benchmark model: a preset (`tiny`), `tiny-2L`, `qwen3-next-<L>L[-i<n>]`
+    """(cfg, params) of a benchmark model: a preset (`tiny`), `tiny-2L`, `qwen3-next-h512`, `qwen3-next-<L>L[-i<n>]`
     (the Qwen3-Next pattern with L layers, full attention every n-th (default 4), at tiny width)
     or a checkpoint directory. Random weights are seeded (seed 0): the same bytes every run."""
-    if _pattern_name(name) is not None or name in SMALL:
+    if _pattern_name(name) is not None or name in SMALL or name in WIDE:
         cfg = config(name)
         return cfg, init_params(cfg, 0, dtype)
     return resolve_checkpoint(name, "float32" if dtype == jnp.float32 else "bfloat16")

@@ -63,11 +63,11 @@ class Table:
         return "\n".join(out + [f"   {f}" for f in self.footer])
 
     def markdown(self) -> str:
-        """The title as a heading, the notes and footer as one list, then the grids."""
-        out = [f"#### {self.title}", ""]
-        bullets = [*self.notes, *self.footer]
-        if bullets:
-            out += [*(f"- {n}" for n in bullets), ""]
+        """The title as a heading, the notes and the footer as one bullet, then the grids."""
+        out = [f"#### {self.title}"]
+        if self.notes or self.footer:
+            out.append("- " + "; ".join([*self.notes, *self.footer]))
+        out.append("")
         for g in self.grids:
             out += [*markdown_table(g.headers, g.rows, right=g.right), ""]
         return "\n".join(out).rstrip("\n")
@@ -142,10 +142,11 @@ def hf_table(r: dict) -> Table:
         "extra",
     )
     return Table(
-        f"JAX engine vs HF transformers {hf['transformers']} (torch {hf['torch']}, {hf['attn_implementation']} "
-        f"attention, {hf['experts_implementation']} experts, {hf['threads']} thread(s)), CPU float32",
+        f"{r['model']}: JAX engine vs HF transformers {hf['transformers']} (torch {hf['torch']}, "
+        f"{hf['attn_implementation']} attention, {hf['experts_implementation']} experts, {hf['threads']} thread(s)), "
+        "CPU float32",
         notes=(
-            f"model {r['model']}, decode/verify context {r['context_tokens']} tokens; {r['repeats']} repeats "
+            f"decode/verify context {r['context_tokens']} tokens; {r['repeats']} repeats "
             f"alternated JAX/HF after {r['warmup']} warm-up; times in ms: median (min-max); JAX/HF = ratio of "
             "medians (p25-p75 of per-round ratios)",
             "'JAX dev' = the engine's compiled program alone (the rest of 'JAX' is host work); "
@@ -377,6 +378,7 @@ def roofline_table(r: dict) -> Table:
 #: The table of each section, by section name.
 TABLES = {
     "hf": hf_table,
+    "hf-wide": hf_table,
     "compile": compile_table,
     "forwards": forwards_table,
     "gap": gap_table,

@@ -26,6 +26,10 @@ class Settings:
     ns: list[int]  # hf: sequences per decode/verify step
     ks: list[int]  # hf: verify rows per sequence
     ctx: int  # context tokens before decode/verify
+    wide_model: str  # hf-wide: the realistic-width model, timed at the sizes below
+    wide_prefill_lens: list[int]
+    wide_ns: list[int]
+    wide_ks: list[int]
     compile_models: list[str]
     compile_steps: int  # compile: verify-loop steps
     compile_repeats: int  # compile: runs per case
@@ -48,6 +52,19 @@ class Settings:
     threads: int  # threads per side; 0 = library defaults
     hf_impl: str  # hf: "default" or "eager" attention/experts implementations
     seed: int
+
+    def wide(self) -> Settings:
+        """The hf section's settings for the realistic-width model: its model and case sizes, at most 5
+        repeats and 2-call back-to-back blocks (a wide step costs far more than a tiny one)."""
+        return dataclasses.replace(
+            self,
+            model=self.wide_model,
+            prefill_lens=self.wide_prefill_lens,
+            ns=self.wide_ns,
+            ks=self.wide_ks,
+            repeats=min(self.repeats, 5),
+            block=min(self.block, 2),
+        )
 
     @property
     def step_shape(self) -> tuple[int, int]:

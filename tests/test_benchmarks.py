@@ -241,3 +241,23 @@ def test_notes_replace_only_the_results_section_and_need_both_markers(tmp_path):
         report.write_notes(str(bare), "x")
     assert bare.read_text() == "no markers\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["BARE.md", "NOTES.md"]  # no temporary file left
+
+
+def test_default_run_times_the_realistic_width_model_at_its_own_sizes():
+    """`make bench` compares with HF on tiny and on the hidden-512 Qwen3-Next, each at its own sizes."""
+    s = cli._resolve(cli.parse([]))
+    assert s.sections[:2] == ["hf", "hf-wide"] and "hf-wide" not in cli._resolve(cli.parse(["--smoke"])).sections
+    w = s.wide()
+    assert (w.model, w.prefill_lens, w.ns, w.ks, w.repeats, w.block) == (
+        "qwen3-next-h512",
+        [128, 512],
+        [1, 8],
+        [4],
+        5,
+        2,
+    )
+    assert (s.model, s.prefill_lens, s.repeats, s.block) == ("tiny", [128, 512, 2048], 7, 8)
+    cfg = models.config("qwen3-next-h512")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok) == (512, 8, 8, 2)
+    shapes = jax.eval_shape(lambda: models.model("qwen3-next-h512")[1])
+    assert 45e6 < sum(x.size for x in jax.tree_util.tree_leaves(shapes)) < 55e6
