@@ -4,7 +4,13 @@ and with the HBM roofline. One entry point: `python -m benchmarks` (`make bench`
 Sections (each printed as a table and written to one JSON file; `make bench` also writes them
 into the results section of BUILD_NOTES.md):
 - `hf`       JAX engine vs HF transformers on the CPU, same config and weights, timed in one run,
-             alternating the two sides: prefill tok/s, one decode step, one verify step (n, K).
+             alternating the two sides: prefill tok/s, one decode step, one verify step (n, K),
+             and per decode/verify step its CPU roofline (bytes it must move / this core's
+             measured streaming-read bandwidth, against the measured time).
+- `hf-45m`, `hf-300m`  the same at realistic widths: a 45 M Qwen3-Next and a 304 M
+             Qwen3.5-MoE-shaped model, each with one MTP layer.
+- `e2e`      steady-state tokens/s of speculative vs plain greedy generation (fused and
+             composed steps): `small` with its MTP head, the 45 M width with oracle drafts.
 - `compile`  time to first step and compilations of a 50-step ragged verify loop: the tiny
              model and the 48-layer Qwen3-Next pattern at tiny width, scan layout vs unrolled.
 - `forwards` the `pallas` forward (interpreter on CPU) vs `xla` on the same step.
@@ -21,7 +27,8 @@ settings, passed whole to every section's `run`), `report` (the tables, text and
 `timing` (statistics, machine facts, compile listener), `models` (configs, engine settings,
 checkpoints), `steps` (engine step runners), `hf_env` (the HF venv and the driver client),
 `hf_driver` (runs under the HF venv's Python 3.11; imports neither jax nor this package),
-`vs_hf`, `compile_cost`, `forwards`, `idle_gap`, `slot_scaling`, `roofline`.
+`vs_hf`, `cpu_roofline` (bandwidth and the hf sections' roofline columns), `e2e`, `compile_cost`,
+`forwards`, `idle_gap`, `slot_scaling`, `roofline`.
 `gpu_check.py` / `gpu_check.sh` are the kernel device check, which `roofline` reuses;
 `roofline_gpu.sh` is the roofline as one prepared command for a GPU machine. README.md says how
 to run and read it all.

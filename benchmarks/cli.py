@@ -1,17 +1,23 @@
 """The benchmark entry point: `python -m benchmarks [options]` (`make bench`), a Click command.
 
-Runs the sections (default: hf, compile, forwards, gap, slots; `--gpu`: the roofline), prints one
+Runs the sections (default: hf, hf-45m, hf-300m, e2e, compile, forwards, gap, slots; `--gpu`: the
+roofline), prints one
 table per section after a machine line (cores, load average before and after each section,
 versions), writes everything to one JSON file (`--json`, default out/bench.json) and, with
 `--notes FILE`, the tables as markdown between the results markers of FILE (`make bench`:
 BUILD_NOTES.md).
 
 Presets:
-- default: prefill 128/512/2048, decode and verify n in 1/4/8, K in 2/3/4, 7 alternated repeats
-  after 2 warm-up, then 7 alternated blocks of 8 back-to-back calls; 50-step compile loop on
-  tiny and on the 48-layer Qwen3-Next pattern, scan vs unrolled, 2 runs each in fresh processes;
-- `--smoke`: tiny sizes and 1 repeat, every section including a roofline dry run, in-process,
-  and the HF side only if its venv already exists (never created). The tests run this.
+- default: hf on tiny: prefill 128/512/2048, decode and verify n in 1/4/8, K in 2/3/4, 7 alternated
+  repeats after 2 warm-up, then 7 alternated blocks of 8 back-to-back calls; hf-45m
+  (qwen3-next-h512): prefill 128/1024/2048, n in 1/8, K 4, 3 repeats after 1 warm-up, 2-call blocks
+  (decode and verify); hf-300m (qwen35-moe-h1024): the same with prefill 128; e2e: `small` at n in
+  1/4/8 with 1..3 drafts and the 45 M width with oracle drafts at n in 1/8, 3 rounds; 50-step
+  compile loop on tiny and on the 48-layer Qwen3-Next pattern, scan vs unrolled, 2 runs each in
+  fresh processes;
+- `--smoke`: tiny sizes and 1 repeat, every section including a roofline dry run (hf-300m on
+  qwen35-moe-2L, its two-layer stand-in at tiny width), in-process, and the HF side only if its
+  venv already exists (never created). The tests run this.
 - `--gpu`: the roofline at Qwen3.5-35B-A3B width on an NVIDIA GPU; `--gpu --dry-run` the same
   path at tiny width under the interpreter, on any machine.
 
@@ -42,10 +48,11 @@ from typing import Any
 import click
 
 from benchmarks import report
-from benchmarks.settings import Settings
+from benchmarks.settings import HFSizes, Settings
 from metrale_jax import runtime_env
 
-SECTIONS = ("hf", "hf-wide", "compile", "forwards", "gap", "slots", "roofline")
+SECTIONS = ("hf", "hf-45m", "hf-300m", "e2e", "compile", "forwards", "gap", "slots", "roofline")
+HF_SECTIONS = ("hf", "hf-45m", "hf-300m")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m benchmarks"
 
@@ -86,8 +93,12 @@ def _log(msg: str) -> None:
 @click.option("--workdir", default=os.path.join(ROOT, "out", "bench"), help="checkpoint and driver logs")
 @click.option("--threads", type=int, default=1, help="threads per side: 1 (default), 0 = library defaults, N")
 @click.option("--repeats", type=int, help="timed repeats per case (default 7; smoke 1)")
-@click.option("--warmup", type=int, help="untimed calls per side first (default 2; smoke 0)")
-@click.option("--block", type=int, help="hf: back-to-back calls per side and round (default 8; smoke 2)")
+@click.option("--warmup", type=int, help="untimed calls per side first (default 2, hf-45m and hf-300m 1; smoke 0)")
+@click.option(
+    "--block",
+    type=int,
+    help="hf sections: back-to-back calls per side and round (default 8, hf-45m and hf-300m 2; smoke 2)",
+)
 @click.option("--seed", type=int, default=0)
 @click.option(
     "--model",
@@ -104,10 +115,20 @@ def _log(msg: str) -> None:
     default="default",
     help="hf: HF attention/experts implementations: from_pretrained's defaults or eager",
 )
-@click.option("--wide-model", default="qwen3-next-h512", help="hf-wide: the realistic-width model")
-@click.option("--wide-prefill-lens", callback=_ints, help="hf-wide: default 128,512")
-@click.option("--wide-ns", callback=_ints, help="hf-wide: sequences per decode/verify step, default 1,8")
-@click.option("--wide-ks", callback=_ints, help="hf-wide: verify rows per sequence, default 4")
+@click.option(
+    "--wide-prefill-lens", callback=_ints, help="hf-45m, hf-300m: prefill lengths (default 128,1024,2048; 128)"
+)
+@click.option("--wide-ns", callback=_ints, help="hf-45m, hf-300m: sequences per decode/verify step, default 1,8")
+@click.option("--wide-ks", callback=_ints, help="hf-45m, hf-300m: verify rows per sequence, default 4")
+@click.option("--wide-repeats", type=int, help="hf-45m, hf-300m: timed repeats per case (default 3)")
+@click.option("--e2e-ns", callback=_ints, help="e2e: prompts generated together on small, default 1,4,8")
+@click.option("--e2e-drafts", callback=_ints, help="e2e: drafts per verify on small, default 1,2,3")
+@click.option("--e2e-new-tokens", type=int, help="e2e: tokens per prompt on small, default 96")
+@click.option("--e2e-oracle-model", help="e2e: the model run with oracle drafts, default qwen3-next-h512")
+@click.option("--e2e-oracle-ns", callback=_ints, help="e2e: prompts generated together with oracle drafts, default 1,8")
+@click.option("--e2e-oracle-new-tokens", type=int, help="e2e: tokens per prompt with oracle drafts, default 48")
+@click.option("--e2e-accept", type=float, default=0.8, help="e2e: the oracle's chance a draft position is right")
+@click.option("--e2e-rounds", type=int, help="e2e: timed rounds, default 3")
 @click.option("--no-hf-setup", is_flag=True, help="hf: never create the HF venv (skip the section if absent)")
 @click.option("--forward-steps", callback=_strs, help="forwards: steps, default prefill,decode,verify")
 @click.option("--compile-models", callback=_strs, help="compile: default tiny,qwen3-next-48L (smoke: qwen3-next-4L-i2)")
@@ -170,9 +191,9 @@ def _resolve(a: dict[str, Any]) -> Settings:
         return v if v is not None else (small if smoke else full)
 
     default_sections = (
-        ["hf", "compile", "forwards", "gap", "slots", "roofline"]
+        ["hf", "hf-300m", "e2e", "compile", "forwards", "gap", "slots", "roofline"]
         if smoke
-        else ["hf", "hf-wide", "compile", "forwards", "gap", "slots"]
+        else ["hf", "hf-45m", "hf-300m", "e2e", "compile", "forwards", "gap", "slots"]
     )
     return Settings(
         model=d(a["model"], "tiny", "tiny-2L"),
@@ -185,10 +206,8 @@ def _resolve(a: dict[str, Any]) -> Settings:
         ns=d(a["ns"], [1, 4, 8], [1]),
         ks=d(a["ks"], [2, 3, 4], [2]),
         ctx=d(a["ctx"], 128, 16),
-        wide_model=a["wide_model"],
-        wide_prefill_lens=a["wide_prefill_lens"] or [128, 512],
-        wide_ns=a["wide_ns"] or [1, 8],
-        wide_ks=a["wide_ks"] or [4],
+        prefill_b2b=True,
+        wide=_wide(a),
         compile_models=d(a["compile_models"], ["tiny", "qwen3-next-48L"], ["qwen3-next-4L-i2"]),
         compile_steps=d(a["compile_steps"], 50, 5),
         compile_repeats=d(a["compile_repeats"], 2, 1),
@@ -208,12 +227,47 @@ def _resolve(a: dict[str, Any]) -> Settings:
         slots_model=d(a["slots_model"], "qwen3-next-48L", "qwen3-next-4L-i2"),
         slot_counts=d(a["slot_counts"], [8, 64], [2, 8]),
         slots_iters=d(a["slots_iters"], 50, 2),
+        e2e_ns=d(a["e2e_ns"], [1, 4, 8], [1]),
+        e2e_drafts=d(a["e2e_drafts"], [1, 2, 3], [1]),
+        e2e_new_tokens=d(a["e2e_new_tokens"], 96, 8),
+        e2e_prompt_len=64 if not smoke else 16,
+        e2e_oracle_model=d(a["e2e_oracle_model"], "qwen3-next-h512", "tiny-2L"),
+        e2e_oracle_ns=d(a["e2e_oracle_ns"], [1, 8], [2]),
+        e2e_oracle_drafts=[3] if not smoke else [2],
+        e2e_oracle_new_tokens=d(a["e2e_oracle_new_tokens"], 48, 8),
+        e2e_accept=a["e2e_accept"],
+        e2e_rounds=d(a["e2e_rounds"], 3, 1),
         hf_create=not (a["no_hf_setup"] or smoke),
         workdir=a["workdir"],
         threads=a["threads"],
         hf_impl=a["hf_impl"],
         seed=a["seed"],
     )
+
+
+def _wide(a: dict[str, Any]) -> dict[str, HFSizes]:
+    """The realistic-width hf sections' models and sizes (`--wide-*` override every one); with `--smoke`
+    their stand-ins at tiny width and tiny sizes."""
+    if a["smoke"]:
+        presets = {
+            name: HFSizes(model, [16], [1], [2], 1, 0, 2, True)
+            for name, model in (("hf-45m", "tiny-2L"), ("hf-300m", "qwen35-moe-2L"))
+        }
+    else:
+        presets = {
+            "hf-45m": HFSizes("qwen3-next-h512", [128, 1024, 2048], [1, 8], [4], 3, 1, 2, False),
+            "hf-300m": HFSizes("qwen35-moe-h1024", [128], [1, 8], [4], 3, 1, 2, False),
+        }
+    given = {
+        "prefill_lens": a["wide_prefill_lens"],
+        "ns": a["wide_ns"],
+        "ks": a["wide_ks"],
+        "repeats": a["wide_repeats"],
+        "warmup": a["warmup"],
+        "block": a["block"],
+    }
+    over = {k: v for k, v in given.items() if v is not None}
+    return {name: dataclasses.replace(w, **over) for name, w in presets.items()}
 
 
 def _run(cfg: Settings, opts: dict[str, Any], argv: list[str]) -> dict:
@@ -274,18 +328,19 @@ def _run(cfg: Settings, opts: dict[str, Any], argv: list[str]) -> dict:
 
 def _section(name: str, cfg: Settings) -> dict:
     """Run one section with the settings `cfg` (`_resolve`); returns its JSON dict."""
-    from benchmarks import compile_cost, forwards, idle_gap, roofline, slot_scaling, vs_hf
+    from benchmarks import compile_cost, e2e, forwards, idle_gap, roofline, slot_scaling, vs_hf
     from benchmarks.hf_env import ensure_hf_venv
 
-    if name in ("hf", "hf-wide"):
+    if name in HF_SECTIONS:
         python, why = ensure_hf_venv(create=cfg.hf_create)
         if python is None:
             _log(f"HF comparison skipped: {why}")
             return {"skipped": why}
-        return vs_hf.run(cfg if name == "hf" else cfg.wide(), python)
+        return vs_hf.run(cfg.hf_section(name), python)
     if name == "compile":
         return compile_cost.run(cfg, log=_log)
     runs: dict[str, Callable[[Settings], dict]] = {
+        "e2e": e2e.run,
         "forwards": forwards.run,
         "gap": idle_gap.run,
         "slots": slot_scaling.run,

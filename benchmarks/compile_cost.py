@@ -1,16 +1,15 @@
 """Section `compile`: time to first step and compilations of a ragged verify loop, for the
 tiny model and for the 48-layer Qwen3-Next pattern (tiny width), in the scan layout and unrolled.
 
-Owns: `ragged_verify_loop` (the benchmark's own scheduler loop: propose, ragged verify, stash,
-fold, rewind, commit; K per sequence cycles through a ragged pattern and the verdicts are
+Owns: `ragged_verify_loop` (the benchmark's own scheduler loop: propose, ragged verify, the
+verdict by `Engine.accept`; K per sequence cycles through a ragged pattern and the verdicts are
 forced, so every step has the same shapes but different K and acceptances), `measure` (one
 engine from construction through the loop) and `run` (every case, each in a fresh process by
 default so "first step" means a cold process's first step).
 
-Layouts: the engine stacks periodic layer groups in `__init__` (`stack_layer_groups`); the
-unrolled layout is measured on the same config and weights by handing the engine the list-layout
-params afterwards (`engine.params = params`; `trunk` accepts both), without changing engine code.
-A model whose period is its layer count (the tiny preset) has one layout only.
+Layouts (`Engine(..., layout=)`): `scan` stacks the periodic layer groups and loops over one group
+body; `unrolled` is the engine's `list` layout, one parameter tree per layer, every layer in the
+program. A model whose period is its layer count (the tiny preset) has one layout only.
 
 Zero recompiles after warm-up: the loop reports the engine's compilations and JAX's backend
 compilations after its warm-up steps; `tests/test_benchmarks.py` asserts both stay unchanged.
@@ -34,6 +33,8 @@ from benchmarks.timing import CompileCounter, Stats
 from metrale_jax.engine.engine import Engine
 from metrale_jax.model.layout import layer_period
 
+#: The benchmark's layout names -> the engine's.
+ENGINE_LAYOUTS = {"scan": "scan", "unrolled": "list"}
 PATTERN = ((4, 2, 3), (2, 2, 2), (3, 4, 1))  # K per sequence, cycled; clipped to each slot's capacity
 N_SEQS = 3
 PROMPT_LEN = 21
@@ -69,8 +70,9 @@ def ragged_verify_loop(
     max_len: int | None = None,
 ) -> dict:
     """Prefill `prompts`, then `steps` speculative steps over them: propose (MTP), verify with
-    ragged K, stash the accepted rows' hiddens, fold, rewind, commit. Acceptances are forced
-    ((step + i) % K), so the loop exercises partial, zero and full acceptance. A sequence past
+    ragged K, the verdict (`Engine.accept`: stash the accepted rows' hiddens, fold, rewind,
+    commit). Acceptances are forced ((step + i) % K), so the loop exercises partial, zero and
+    full acceptance. A sequence past
     `max_len` tokens is rewound to its prompt (host-only, as the engine allows).
 
     Returns seconds (prefill, each step), the engine's compilations after the prefill, after the
@@ -96,11 +98,7 @@ def ragged_verify_loop(
             _, argmax = engine.verify_batched(seqs, [t for r in rows for t in r], ks)
             off = np.concatenate([[0], np.cumsum(ks)])
             na = [(step + i) % k for i, k in enumerate(ks)]
-            engine.stash_verify_hidden_rows(seqs, [int(off[i]) + a for i, a in enumerate(na)])
-            engine.gdn_fold_accepted(seqs, [a + 1 for a in na], ks)
-            for s, k, a in zip(seqs, ks, na):
-                engine.rewind(s, k - 1 - a)
-            engine.commit_accepted_prefixes(seqs, [a + 1 for a in na], ks)
+            engine.accept(seqs, na)
             last = [int(argmax[off[i] + a]) for i, a in enumerate(na)]
             for s, p in zip(seqs, prompts):
                 if s.seq_len > max_len:
@@ -125,17 +123,14 @@ def measure(model_name: str, layout: str, steps: int, *, num_drafts: int = 3, se
     cfg, params = models.model(model_name)
     period = layer_period(cfg)
     groups = cfg.num_hidden_layers // period
-    if layout not in ("scan", "unrolled"):
+    if layout not in ENGINE_LAYOUTS:
         raise ValueError(f"layout must be scan or unrolled, got {layout!r}")
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for _ in range(N_SEQS)]
     with CompileCounter() as counter:
         t0 = time.perf_counter()
-        engine = Engine(
-            cfg, params, models.settings(max_batch_size=4, max_seq_len=256, speculative=True, num_drafts=num_drafts)
-        )
-        if layout == "unrolled":
-            engine.params = params
+        settings = models.settings(max_batch_size=4, max_seq_len=256, speculative=True, num_drafts=num_drafts)
+        engine = Engine(cfg, params, settings, layout=ENGINE_LAYOUTS[layout])
         init_s = time.perf_counter() - t0
         timer = ProgramTimer(engine)
         loop = ragged_verify_loop(engine, prompts, steps, counter=counter)
@@ -152,8 +147,7 @@ def measure(model_name: str, layout: str, steps: int, *, num_drafts: int = 3, se
         "prefill_first_s": loop["prefill_s"],
         "first_step_s": loop["step_s"][0],
         # From a constructed engine: its prefill, then the loop's first step (both compile). The
-        # engine's construction is apart: it stacks the layer groups even when the unrolled
-        # layout then replaces them.
+        # engine's construction (which stacks the layer groups of the scan layout) is apart.
         "time_to_first_step_s": loop["prefill_s"] + loop["step_s"][0],
         "steady_step": steady.__dict__,
         "programs": [{"name": n, "compile_s": s} for n, s in timer.compiled],

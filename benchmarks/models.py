@@ -2,7 +2,8 @@
 
 Owns: `qwen3_next_pattern` (the released Qwen3-Next layer pattern, any depth, at the tiny preset's
 width: the graph that decides compile time is the layer count), `qwen35_stack` (a Qwen3.5-35B-A3B
-layer stack at full width for the GPU roofline, or at tiny width for its dry run), `settings`
+layer stack at full width for the GPU roofline, or at tiny width for its dry run), `SMALL` (the
+smoke run's models), `WIDE` (the realistic-width models of `make bench`), `parameter_count`, `settings`
 (EngineSettings from flags, as the tests build them) and `write_checkpoint` (the random
 checkpoint in the HF safetensors layout, rewritten whenever the weights change, so HF
 `from_pretrained` reads the very weights the engine runs).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 
 import jax
@@ -21,7 +23,7 @@ import numpy as np
 from metrale_jax.checkpoint import save_checkpoint
 from metrale_jax.config import FULL, LINEAR, ModelConfig, load_model_config
 from metrale_jax.engine.settings import resolve_settings
-from metrale_jax.params import init_params
+from metrale_jax.params import init_params, is_spec, param_specs
 from metrale_jax.presets import PRESETS, TINY, resolve_checkpoint
 
 
@@ -79,12 +81,23 @@ def qwen35_stack(layers: int = 4, tiny: bool = False) -> ModelConfig:
 
 
 # Small models for the smoke run (compile time grows with the layer count):
-# tiny-2L: the tiny preset's first two layers (GDN + MoE, attention + dense MLP);
-SMALL = {"tiny-2L": TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL), mlp_only_layers=(1,))}
+# tiny-2L: the tiny preset's first two layers (GDN + MoE, attention + dense MLP); qwen35-moe-2L: the same two
+# mixers, both with MoE, in the Qwen3.5-MoE checkpoint layout (the smoke run's stand-in for qwen35-moe-h1024).
+SMALL = {
+    "tiny-2L": TINY.replace(num_hidden_layers=2, layer_types=(LINEAR, FULL), mlp_only_layers=(1,)),
+    "qwen35-moe-2L": qwen35_stack(2, tiny=True).replace(layer_types=(LINEAR, FULL)),
+}
 
-# A realistic-width Qwen3-Next (45 M parameters: hidden 512, 8 layers of the 3:1 pattern, GDN 4 key / 8 value
-# heads of 64, attention 8:2 x 64, 8 experts top-2 of 256 with a shared 256, vocab 8192, one MTP layer), where a
-# win at hidden 64 has to hold up: per-op overhead no longer hides the arithmetic and the weight traffic.
+# Realistic widths, where a win at hidden 64 has to hold up: per-op overhead no longer hides the arithmetic
+# and the weight traffic. Both have one MTP layer, so their verify runs speculative.
+# - qwen3-next-h512 (45 M parameters without its MTP layer, 50 M with it): Qwen3-Next layout, hidden 512, 8
+#   layers of the 3:1 pattern, GDN 4 key / 8 value heads of 64, attention 8:2 x 64, 8 experts top-2 of 256 with
+#   a shared 256, vocab 8192.
+# - qwen35-moe-h1024 (304 M parameters with its MTP layer, 289 M without): Qwen3.5-35B-A3B scaled down, in the
+#   Qwen3.5-MoE checkpoint layout (HF `qwen3_5_moe`): hidden 1024 (half), 16 layers of the 3:1 pattern, GDN 8
+#   key / 16 value heads of 64 (half the heads and half the head width), gated attention 8:2 x 128 (half the
+#   heads and half the width, 1/4 of the dims rotary, theta 1e7), 32 experts top-4 (1/8 of the experts, half
+#   the top-k), expert and shared intermediate 96 (sized so the whole is ~300 M), vocab 32768, untied lm_head.
 WIDE = {
     "qwen3-next-h512": TINY.replace(
         vocab_size=8192,
@@ -102,8 +115,38 @@ WIDE = {
         linear_value_head_dim=64,
         moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
-    )
+    ),
+    "qwen35-moe-h1024": ModelConfig(
+        model_type="qwen3_5_moe_text",
+        vocab_size=32768,
+        hidden_size=1024,
+        intermediate_size=96,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        layer_types=interval_pattern(16),
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=96,
+        num_mtp_layers=1,
+        weight_layout="qwen3_5",
+        trunk_prefix="model.language_model",
+    ),
 }
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of `cfg` (its MTP layer included), from the parameter specs alone."""
+    return int(sum(math.prod(s.shape) for s in jax.tree_util.tree_leaves(param_specs(cfg), is_leaf=is_spec)))
 
 
 def _pattern_name(name: str):

@@ -15,6 +15,20 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class HFSizes:
+    """A realistic-width hf section: its model and case sizes (the `Settings` fields of the same names)."""
+
+    model: str
+    prefill_lens: list[int]
+    ns: list[int]
+    ks: list[int]
+    repeats: int
+    warmup: int
+    block: int
+    prefill_b2b: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     model: str  # hf, forwards, gap: a preset, tiny-2L, qwen3-next-<L>L[-i<n>] or a checkpoint directory
     forward_steps: list[str]  # forwards: which of prefill, decode, verify
@@ -26,10 +40,8 @@ class Settings:
     ns: list[int]  # hf: sequences per decode/verify step
     ks: list[int]  # hf: verify rows per sequence
     ctx: int  # context tokens before decode/verify
-    wide_model: str  # hf-wide: the realistic-width model, timed at the sizes below
-    wide_prefill_lens: list[int]
-    wide_ns: list[int]
-    wide_ks: list[int]
+    prefill_b2b: bool  # hf: also time the prefills back to back (decode and verify always are)
+    wide: dict[str, HFSizes]  # the realistic-width hf sections (hf-45m, hf-300m): their models and sizes
     compile_models: list[str]
     compile_steps: int  # compile: verify-loop steps
     compile_repeats: int  # compile: runs per case
@@ -47,24 +59,29 @@ class Settings:
     slots_model: str
     slot_counts: list[int]  # slots: the engines' slot counts (max batch)
     slots_iters: int  # slots: timed runs per step
+    e2e_ns: list[int]  # e2e: prompts generated together on `small` (its MTP head drafting)
+    e2e_drafts: list[int]  # e2e: drafts per verify (one speculative engine each, under its default K ladder)
+    e2e_new_tokens: int  # e2e: tokens generated per prompt
+    e2e_prompt_len: int
+    e2e_oracle_model: str  # e2e: the model run with oracle drafts
+    e2e_oracle_ns: list[int]
+    e2e_oracle_drafts: list[int]
+    e2e_oracle_new_tokens: int
+    e2e_accept: float  # e2e: the oracle's chance that a draft position is right
+    e2e_rounds: int  # e2e: timed rounds, greedy and both speculative modes alternated in each
     hf_create: bool  # hf: create the HF venv when it is absent
     workdir: str  # checkpoint and driver logs
     threads: int  # threads per side; 0 = library defaults
     hf_impl: str  # hf: "default" or "eager" attention/experts implementations
     seed: int
 
-    def wide(self) -> Settings:
-        """The hf section's settings for the realistic-width model: its model and case sizes, at most 5
-        repeats and 2-call back-to-back blocks (a wide step costs far more than a tiny one)."""
-        return dataclasses.replace(
-            self,
-            model=self.wide_model,
-            prefill_lens=self.wide_prefill_lens,
-            ns=self.wide_ns,
-            ks=self.wide_ks,
-            repeats=min(self.repeats, 5),
-            block=min(self.block, 2),
-        )
+    def hf_section(self, name: str) -> Settings:
+        """The hf section `name`'s settings: `hf` itself, or a realistic-width section with its model and
+        case sizes from `wide[name]`."""
+        if name == "hf":
+            return self
+        w = self.wide[name]
+        return dataclasses.replace(self, **dataclasses.asdict(w))
 
     @property
     def step_shape(self) -> tuple[int, int]:

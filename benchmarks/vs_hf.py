@@ -13,10 +13,13 @@ starts after the other side's, i.e. after an idle gap) and in blocks of consecut
 - one verify step: K tokens per sequence of n sequences over the context (HF: the forward of
   those K tokens over a copy of its cache, every row's logits; engine: `verify_batched`, then
   `rollback_verify` so every repeat starts from the same state).
+With `prefill_b2b` off, prefills are timed call by call only (a step of seconds gains nothing from
+running back to back). Every decode and verify case also gets its CPU roofline (`cpu_roofline`):
+the bytes the engine's step must move over the bandwidths measured in this section.
 
-Differences in the work done, both against the engine: the engine's verify also runs the MTP
-drafter's catch-up layer (one extra attention + MoE layer) that HF does not have, and its MoE
-runs every expert on every row (see `metrale_jax.model.mlp.moe`); HF's runs only the routed ones.
+Difference in the work done, against the engine: its verify also runs the MTP drafter's catch-up
+layer (one extra attention or GDN + MoE layer) that HF does not have (HF: the verify-shaped step of
+the trunk alone).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import sys
 
 import numpy as np
 
-from benchmarks import models
+from benchmarks import cpu_roofline, models
 from benchmarks.hf_env import HFClient
+from benchmarks.report import LOGIT_TOLERANCE
 from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 from benchmarks.timing import Stats, back_to_back, paired
@@ -50,6 +54,9 @@ class HFCase:
     jax_device_s: float  # the step's compiled program alone, median (no host work, no logits copy)
     max_abs_diff: float  # |JAX - HF| logits of the first call
     max_abs_logit: float
+    rows_differ: int  # logit rows of the first call over the tolerance (`report.LOGIT_TOLERANCE`)
+    logit_rows: int
+    roofline: dict | None  # decode / verify: `cpu_roofline.step_roofline` of the engine's step
 
     @property
     def ratio_of_medians(self) -> float:
@@ -59,7 +66,15 @@ class HFCase:
         d = dataclasses.asdict(self)
         d["ratio_of_medians"] = self.ratio_of_medians
         d["hf_over_jax"] = 1.0 / self.ratio_of_medians
-        d["hf_over_jax_b2b"] = self.hf_b2b.median / self.jax_b2b.median
+        d["hf_over_jax_b2b"] = self.hf_b2b.median / self.jax_b2b.median if self.hf_b2b.n else None
+        if self.roofline is not None:
+            floor = self.roofline["floor_s"]
+            d["roofline"] = dict(
+                self.roofline,
+                floor_over_jax_device=floor / self.jax_device_s,
+                floor_over_jax_b2b=floor / self.jax_b2b.median,
+                floor_over_hf_b2b=floor / self.hf_b2b.median,
+            )
         if self.kind == "prefill":
             d["jax_tok_s"] = self.t / self.jax.median
             d["hf_tok_s"] = self.t / self.hf.median
@@ -70,9 +85,14 @@ def _log(msg: str) -> None:
     print(f"[bench hf] {msg}", file=sys.stderr, flush=True)
 
 
-def _diff(a, b) -> tuple[float, float]:
-    a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
-    return float(np.abs(a - b).max()), float(np.abs(b).max())
+def _diff(a, b) -> tuple[float, float, int, int]:
+    """(max |a - b|, max |b|, rows whose max |a - b| exceeds `report.LOGIT_TOLERANCE` x max(1, max |b|),
+    rows) of two logit arrays [..., V]."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    per_row, scale = np.abs(a - b).max(-1), float(np.abs(b).max())
+    over = int((per_row > LOGIT_TOLERANCE * max(1.0, scale)).sum())
+    return float(per_row.max()), scale, over, len(per_row)
 
 
 def run(s: Settings, hf_python: str) -> dict:
@@ -90,6 +110,9 @@ def run(s: Settings, hf_python: str) -> dict:
     vocab = cfg.vocab_size
     longest = max([*prefill_lens, ctx + max(ks) + 2])
     max_seq_len = max_seq_len_for(longest)
+    weight_bytes = int(np.dtype(params["embed"].dtype).itemsize)
+    bandwidths = cpu_roofline.Bandwidths.measure()
+    _log(f"streaming read past the cache: {bandwidths.past_cache / 1e9:.1f} GB/s")
     cases: list[HFCase] = []
 
     def rand(*shape):
@@ -105,18 +128,37 @@ def run(s: Settings, hf_python: str) -> dict:
                 bench.engine, jax_call, "prefill_chunk" if kind == "prefill" else "step_rows"
             )
             hf_logits = hf.call(**hf_req, logits=True)["logits"]
-            diff, scale = _diff(jax_logits, hf_logits)
+            diff, scale, over, logit_rows = _diff(jax_logits, hf_logits)
             js, hs, rs = paired(lambda: jax_call()[0], lambda: hf.call(**hf_req)["seconds"], repeats, warmup)
-            jb, hb, rb = back_to_back(
-                lambda: [jax_call()[0] for _ in range(block)],
-                lambda: hf.call(**hf_req, repeat=block)["seconds_each"],
-                repeats,
-            )
+            if kind != "prefill" or s.prefill_b2b:
+                jb, hb, rb = back_to_back(
+                    lambda: [jax_call()[0] for _ in range(block)],
+                    lambda: hf.call(**hf_req, repeat=block)["seconds_each"],
+                    repeats,
+                )
+            else:
+                jb = hb = rb = Stats.of([])
             device_s = dev.time(max(repeats, 1))
-            case = HFCase(kind, n, t, js, hs, rs, jb, hb, rb, jax_first, device_s, diff, scale)
+            roof = None
+            if kind != "prefill":
+                eng = bench.engine
+                roof = cpu_roofline.step_roofline(
+                    bandwidths,
+                    cfg,
+                    eng.settings,
+                    n=n,
+                    t=t,
+                    ctx=ctx,
+                    verify=kind == "verify",
+                    drafter=eng.drafter,
+                    weight_bytes=weight_bytes,
+                )
+            case = HFCase(kind, n, t, js, hs, rs, jb, hb, rb, jax_first, device_s, diff, scale, over, logit_rows, roof)
+            b2b = f"; back to back jax {jb.ms()} ms, hf {hb.ms()} ms" if jb.n else ""
+            floor = f"; floor {1e3 * roof['floor_s']:.3f} ms" if roof else ""
             _log(
-                f"{kind} n={n} t={t}: jax {js.ms()} ms, hf {hs.ms()} ms, ratio {case.ratio_of_medians:.3f}; "
-                f"back to back jax {jb.ms()} ms, hf {hb.ms()} ms; |dlogit| {diff:.1e}"
+                f"{kind} n={n} t={t}: jax {js.ms()} ms (dev {1e3 * device_s:.3f}), hf {hs.ms()} ms, "
+                f"ratio {case.ratio_of_medians:.3f}{b2b}; |dlogit| {diff:.1e} ({over}/{logit_rows} rows over){floor}"
             )
             cases.append(case)
 
@@ -163,6 +205,10 @@ def run(s: Settings, hf_python: str) -> dict:
         "repeats": repeats,
         "warmup": warmup,
         "block": block,
+        "model_type": cfg.model_type,
+        "parameters": models.parameter_count(cfg),
+        "bandwidth_past_cache": bandwidths.past_cache,
+        "bandwidths_sized": bandwidths.sized,
         "hf": info,
         "cases": [c.to_json() for c in cases],
     }

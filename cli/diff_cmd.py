@@ -6,7 +6,12 @@ Owns only argument handling: the mode flags into a `DiffRequest`, the serve flag
 
 Invariants:
 - Exit 0 on PASS, 1 on FAIL, 2 with one `error: ...` line per problem on a bad request (flags,
-  checkpoint, settings, an engine that cannot serve the diff).
+  checkpoint, settings, an engine that cannot serve the diff, an unwritable `--out`, pools the
+  local device cannot hold), 130 on Ctrl-C (`metrale_jax_cli.errors`).
+- `--out` is claimed before the engine starts and written atomically once the diff is done: a
+  failed or interrupted diff leaves no report and an earlier one untouched.
+- A K the engine's slots cannot verify is run at the slot's capacity and says so: a `note:`
+  line on stderr and the report's `clamped` list.
 - Unless given, `--max-seq-len` is sized to the longest sequence the diff reaches and
   `--max-batch-size` raised to the slots it holds; the report's settings table says so.
 - Progress goes to stderr only.
@@ -27,9 +32,11 @@ from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.settings import SERVE_FLAGS, EngineSettings, resolve_settings
+from metrale_jax.memory.plan import require_room, serve_pools
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli.errors import UsageError, user_errors
 from metrale_jax_cli.model_toml import load_behavior
+from metrale_jax_cli.output import OutputFile
 from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
 SIZED_RULE = "diff: sized to what this diff runs"
@@ -131,6 +138,7 @@ def diff(
         swap=swap,
     )
     request.check()
+    sink = OutputFile(out)
     names = None if forwards is None else [f.strip() for f in forwards.split(",") if f.strip()]
     unknown = sorted(set(names or ()) - set(known_labels()))
     if unknown:
@@ -138,17 +146,20 @@ def diff(
     raw = pop_serve_raw(ctx, serve)
     cfg, params = resolve_checkpoint(checkpoint, dtype)
     settings = _settings(checkpoint, raw, request)
+    pools = serve_pools(cfg, settings, params["embed"].dtype)
+    require_room("this diff's engine", pools, "lower --steps, --max-seq-len or --max-batch-size")
     engine = Engine(cfg, params, settings)
     variants, unavailable = default_variants(names)
     try:
         report = run_diff(engine, request, variants, unavailable, progress=Bar())
     except EngineError as e:
         raise UsageError(f"the engine refused a step of this diff: {e}") from None
-    report = {"checkpoint": checkpoint, **report}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    clamped = request.clamped(engine.counts)
+    report = {"checkpoint": checkpoint, **report, "clamped": clamped}
     text = to_json(report)
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(text)
+    sink.write(text.encode("utf-8"))
+    for line in clamped:
+        click.echo(f"note: {line}", err=True)
     click.echo(text if as_json else render_summary(report), nl=False)
     if report["verdict"] != "PASS":
         ctx.exit(1)

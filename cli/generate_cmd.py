@@ -1,26 +1,44 @@
-"""`metrale-jax generate`: greedy text generation on the engine, plain or with the MTP drafter, and
-what the drafter did (acceptance by draft position, tokens per verify).
+"""`metrale-jax generate`: greedy text generation on the engine, plain or with the MTP drafter: the
+text, what the drafter did (acceptance by draft position, tokens per verify), and where the time
+went (compiling, then the steady state).
 
-Owns only argument handling and printing; the decoding is `metrale_jax.engine.speculative`, the
-statistics `metrale_jax.research.Run`, the text `metrale_jax.tokenizer`.
+Owns only argument handling, the request's up-front checks and printing; the decoding is
+`metrale_jax.engine.speculative`, the statistics `metrale_jax.research.Run`, the text
+`metrale_jax.tokenizer`, the progress bar `metrale_jax.diff.progress.Bar`.
 
-Invariants: the printed continuation is the same with and without `--speculative` (greedy);
-every user error prints `error: ...` lines on stderr and exits 2.
+Invariants:
+- The printed continuation is the same with and without `--speculative`, with the fused or the
+  composed step (greedy).
+- Every user error prints `error: ...` lines on stderr and exits 2. A request that cannot fit is
+  refused before the engine allocates: a `--max-seq-len` under what the request reaches, or an
+  engine pool (the planner's `serve_pools`: its exact buffers) over what the device can still
+  hold (`require_room`).
+- A request the engine would quietly reduce says so: drafts over what the K ladder gives one
+  active sequence are clamped, the engine is built for the clamped count, and a `note:` line
+  states it.
+- Steady-state tokens/s counts only the scheduler steps that compiled no program (each step timed
+  between two `progress` callbacks); the compile seconds are the engine's
+  `ProgramCache.compile_seconds`.
 Defaults differing from a serve (each overridable by its flag): one slot (`--max-batch-size 1`),
-`--max-seq-len` just covering prompt + output (+ drafts), `--kv-cache-dtype f32`.
+`--max-seq-len` just covering what the request reaches, `--kv-cache-dtype f32`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
 
 import click
 
+from metrale_jax.diff.progress import Bar
+from metrale_jax.engine.capacity import ladder_drafts
 from metrale_jax.engine.engine import Engine
-from metrale_jax.engine.settings import resolve_settings
+from metrale_jax.engine.programs import ProgramCache
+from metrale_jax.engine.settings import format_k_ladder, resolve_settings
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
+from metrale_jax.memory.plan import require_room, serve_pools
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax.presets_data import PRESET_DIRS
 from metrale_jax.research import Run
@@ -47,6 +65,49 @@ def _acceptance_lines(run: Run) -> list[str]:
     return lines
 
 
+def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
+    """The longest a generation's sequence gets, in KV positions: the prompt, the output and, with
+    drafts, a verify's K = drafts + 1 rows past the last committed token plus the next propose's
+    drafts (the engine reserves both before it runs them; 0 drafts = plain greedy)."""
+    return prompt_tokens + max_new_tokens + 2 * drafts
+
+
+@dataclasses.dataclass
+class StepClock:
+    """A `progress` callback: times each scheduler step (from the previous callback; the first
+    from `start`, so it holds the prefill), and sums the steps during which `programs` compiled
+    nothing; advances `bar` by the tokens each step emitted."""
+
+    programs: ProgramCache
+    bar: Bar
+    start: float
+    warm_seconds: float = 0.0
+    warm_tokens: int = 0
+    warm_steps: int = 0
+    _tokens: int = 0
+    _compilations: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self._compilations = self.programs.compilations
+
+    def __call__(self, tokens: int) -> None:
+        now = time.perf_counter()
+        if self.programs.compilations == self._compilations:
+            self.warm_seconds += now - self.start
+            self.warm_tokens += tokens - self._tokens
+            self.warm_steps += 1
+        self.bar.advance(tokens - self._tokens)
+        self.start, self._tokens, self._compilations = now, tokens, self.programs.compilations
+
+    def line(self) -> str:
+        if not self.warm_steps:
+            return "steady state: not measured (every step compiled a program; ask for more --max-new-tokens)"
+        return (
+            f"steady state: {self.warm_tokens / self.warm_seconds:.1f} tokens/s ({self.warm_tokens} tokens in the "
+            f"{self.warm_steps} steps that compiled nothing)"
+        )
+
+
 @click.command("generate")
 @click.option("--checkpoint", required=True, help="Preset (tiny, small) or checkpoint directory.")
 @click.option("--prompt", required=True, help="Prompt text, encoded with the checkpoint's tokenizer.")
@@ -58,11 +119,17 @@ def _acceptance_lines(run: Run) -> list[str]:
     type=float,
     help="With --speculative: cut drafts before the first whose log-probability is below this.",
 )
+@click.option(
+    "--step",
+    type=click.Choice(["fused", "composed"]),
+    help="With --speculative: one program per scheduler step (fused; the default under snapshot rollback) or "
+    "the composed transitions (the default under replay rollback).",
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
 @serve_options
 @click.pass_context
 @user_errors
-def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, dtype, **kwargs):
+def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dtype, **kwargs):
     """Continue PROMPT greedily and print the text; with --speculative (e.g. --num-drafts 3) the
     MTP head drafts and each verify checks its drafts, and the acceptance statistics follow."""
     raw = pop_serve_raw(ctx, kwargs)
@@ -72,32 +139,72 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, dtype, **
     ids = tok.encode(prompt)
     if not ids:
         raise UsageError("--prompt is empty")
-    drafts = int(raw.get("num_drafts") or 1)
     raw.setdefault("max_batch_size", "1")
-    raw.setdefault("max_seq_len", 16 * math.ceil((len(ids) + max_new_tokens + drafts + 2) / 16))
     raw.setdefault("kv_cache_dtype", "f32")
-    settings = resolve_settings(raw, None, auto_slots=1)
-    if confidence_stop is not None and not settings.speculative:
+    asked = resolve_settings(raw, None, auto_slots=1)
+    if confidence_stop is not None and not asked.speculative:
         raise UsageError("--confidence-stop needs --speculative")
+    if step is not None and not asked.speculative:
+        raise UsageError(f"--step {step} needs --speculative")
+    if step == "fused" and asked.ssm_rollback_mode == "replay":
+        raise UsageError("--step fused needs --ssm-rollback-mode snapshot (the fused step is write-on-accept only)")
+    step = step or ("composed" if asked.ssm_rollback_mode == "replay" else "fused")
+    drafts = ladder_drafts(1, asked.num_drafts, asked.k_ladder) if asked.speculative else 0
+    note = None
+    if asked.speculative and drafts < asked.num_drafts:
+        raw["num_drafts"] = drafts
+        ladder = format_k_ladder(asked.k_ladder)
+        note = (
+            f"note: --num-drafts {asked.num_drafts} clamped to {drafts}: the K ladder {ladder} drafts at most "
+            f"{drafts} at 1 active sequence (--mtp-k-ladder 1:{asked.num_drafts} lifts it)"
+        )
+    reached = tokens_reached(len(ids), max_new_tokens, drafts)
+    if "max_seq_len" in raw and raw["max_seq_len"] < reached:
+        raise UsageError(
+            f"--max-seq-len {raw['max_seq_len']} is under the {reached} tokens this request reaches "
+            f"({len(ids)} prompt + {max_new_tokens} new"
+            + (f" + 2 x {drafts}: a verify's and the next propose's drafts)" if drafts else ")")
+        )
+    raw.setdefault("max_seq_len", 16 * math.ceil(reached / 16))
+    settings = resolve_settings(raw, None, auto_slots=1)
+    require_room(
+        f"the engine pool for {len(ids)} prompt + {max_new_tokens} new tokens"
+        + (f" with {drafts} drafts" if drafts else "")
+        + f" (max_seq_len {settings.max_seq_len})",
+        serve_pools(cfg, settings, params["embed"].dtype),
+        "ask for fewer tokens" + (" or drafts" if drafts else ""),
+    )
     engine = Engine(cfg, params, settings)
+    bar = Bar()
+    bar.section("generate", max_new_tokens)
     t0 = time.perf_counter()
+    clock = StepClock(engine.programs, bar, t0)
     run = None
-    if settings.speculative:
-        schedule = DraftSchedule(settings.num_drafts, settings.k_ladder, confidence_stop)
-        res = speculative_generate(engine, [ids], max_new_tokens, schedule)
-        run = Run.from_generations(schedule, 1, max_new_tokens, [([0], res)])
-        out = res.tokens[0]
-    else:
-        out = greedy_generate(engine, [ids], max_new_tokens)[0]
+    try:
+        if settings.speculative:
+            schedule = DraftSchedule(settings.num_drafts, settings.k_ladder, confidence_stop)
+            res = speculative_generate(engine, [ids], max_new_tokens, schedule, fused=step == "fused", progress=clock)
+            run = Run.from_generations(schedule, 1, max_new_tokens, [([0], res)])
+            out = res.tokens[0]
+        else:
+            out = greedy_generate(engine, [ids], max_new_tokens, progress=clock)[0]
+    finally:
+        bar.close()
     seconds = time.perf_counter() - t0
     mode = (
-        f"speculative, up to {settings.num_drafts} MTP draft(s) per verify"
+        f"speculative, {step} step, up to {settings.num_drafts} MTP draft(s) per verify"
         if run
         else "plain greedy; add --speculative --num-drafts 3 to see the drafter"
     )
     click.echo(f"{checkpoint}: {len(ids)} prompt tokens, {len(out)} generated ({mode})")
+    if note:
+        click.echo(note)
     click.echo(tok.decode(ids) + click.style(tok.decode(out), bold=True))
     click.echo("")
     for line in _acceptance_lines(run) if run else [f"decode steps: {len(out) - 1} after the prefill"]:
         click.echo(line)
-    click.echo(f"time: {seconds:.2f} s including compilation ({len(out) / seconds:.1f} tokens/s)")
+    click.echo(
+        f"time: {seconds:.2f} s wall, {engine.programs.compile_seconds:.2f} s of it compiling "
+        f"{engine.programs.compilations} programs"
+    )
+    click.echo(clock.line())

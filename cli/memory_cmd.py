@@ -99,7 +99,7 @@ def plan(
         evaluation=ev,
         max_concurrency=answers[0],
         max_isl=answers[1],
-        warnings=warnings_for(planner, ev),
+        warnings=warnings_for(planner, ev) + ((model.cache_warning,) if model and model.cache_warning else ()),
         activation_run=None
         if model is None
         else {

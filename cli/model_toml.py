@@ -6,7 +6,8 @@ The values themselves are `metrale_jax.engine.settings.Behavior`; only this modu
 Invariants:
 - Only `[behavior]` `default_num_drafts`, `mtp_max_seqs` (non-negative integers, not booleans)
   and `default_kv_dtype` (a string) are read; other keys and tables are ignored.
-- An absent file is not an error: it gives the engine defaults, and `Behavior.source` says so.
+- An absent file is not an error: it gives the engine defaults, and `Behavior.source` says so;
+  an unreadable or non-UTF-8 one is (one line naming the byte offset).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import tomli
 
 from metrale_jax.engine.settings import Behavior
-from metrale_jax.errors import MetraleError
+from metrale_jax.errors import MetraleError, read_text
 
 
 class BehaviorError(MetraleError, ValueError):
@@ -53,4 +54,4 @@ def load_behavior(path: Path) -> Behavior:
     """Read `path`; an absent file gives the engine defaults (and says so in `source`)."""
     if not path.is_file():
         return Behavior(source=f"{path} absent: engine defaults")
-    return parse_behavior(path.read_text(encoding="utf-8"), str(path))
+    return parse_behavior(read_text(path, BehaviorError), str(path))

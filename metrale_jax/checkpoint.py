@@ -9,6 +9,10 @@ Invariants:
 - Every problem with a checkpoint (missing, unexpected, mis-shaped or non-float tensors, a
   corrupt header, an index naming a missing shard) is found from the headers before any tensor
   is read, and reported together in one `CheckpointError`.
+- A header is untrusted input: a tensor is read only after its dtype, shape and data_offsets
+  were checked against the file (known dtype, non-negative integers, `begin <= end <=` the data
+  section, `end - begin` = the shape's bytes) and against every other tensor (no shared byte),
+  and an index only names shard files inside the checkpoint directory.
 - `save_checkpoint(dir, cfg, params)` followed by `load_checkpoint(dir)` returns equal params.
 - A leaf may be several tensors: the projections that read the same input are stacked by rows
   into one leaf (`metrale_jax.params`); Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import struct as _struct
@@ -70,47 +75,123 @@ class TensorRef:
 
     def read(self) -> np.ndarray:
         """Memory-map the tensor's bytes (no copy until the caller converts it)."""
-        count = int(np.prod(self.shape)) if self.shape else 1
+        count = math.prod(self.shape)
         arr = np.memmap(
             self.path, dtype=_DTYPES[self.dtype], mode="r", offset=self.data_offset + self.start, shape=(count,)
         )
         return arr.reshape(self.shape)
 
 
-def read_header(path: str) -> dict[str, TensorRef]:
-    """Parse a safetensors header. Raises CheckpointError on a corrupt or truncated header."""
+def _counts(x: object, n: int | None = None) -> bool:
+    """`x` is a JSON list of non-negative integers (of length `n` when given)."""
+    return (
+        isinstance(x, list)
+        and (n is None or len(x) == n)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x)
+    )
+
+
+def _entry(path: str, name: str, info: object, data_size: int, data_offset: int) -> TensorRef | list[str]:
+    """One header entry as a `TensorRef`, or the problems that make it unusable."""
+    if not isinstance(info, dict):
+        return [f"entry {name!r} is not a JSON object"]
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+        return [f"tensor {name!r} lacks {', '.join(missing)}"]
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    problems = []
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        problems.append(f"tensor {name!r} has unsupported dtype {dtype!r}")
+    if not _counts(shape):
+        problems.append(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if not _counts(offsets, 2):
+        problems.append(f"tensor {name!r}: data_offsets {offsets!r} are not two non-negative integers")
+    if problems:
+        return problems
+    begin, end = offsets
+    want = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
+    if not begin <= end <= data_size:
+        return [f"tensor {name!r}: data_offsets [{begin}, {end}] are not within the {data_size}-byte data section"]
+    if end - begin != want:
+        return [
+            f"tensor {name!r}: data_offsets [{begin}, {end}] hold {end - begin} bytes; "
+            f"shape {shape} of {dtype} needs {want}"
+        ]
+    return TensorRef(path, dtype, tuple(shape), begin, end, data_offset)
+
+
+def _overlaps(refs: dict[str, TensorRef]) -> list[str]:
+    """Pairs of tensors whose byte ranges share a byte (each range is compared with the one
+    reaching furthest among those starting before it)."""
+    problems, reach = [], None
+    for name, r in sorted(((n, r) for n, r in refs.items() if r.end > r.start), key=lambda x: (x[1].start, x[0])):
+        if reach is not None and r.start < reach[1].end:
+            problems.append(
+                f"tensors {reach[0]!r} and {name!r} overlap (data_offsets "
+                f"[{reach[1].start}, {reach[1].end}] and [{r.start}, {r.end}])"
+            )
+        if reach is None or r.end > reach[1].end:
+            reach = (name, r)
+    return problems
+
+
+def _parse_header(path: str) -> tuple[dict[str, TensorRef], list[str]]:
+    """The tensors of one safetensors file and the problems of its header (its entries are not
+    read at all when the header itself cannot be parsed)."""
     try:
+        if os.path.isdir(path):
+            return {}, [f"{path} is a directory, not a safetensors file"]
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) < 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+                return {}, [f"{path}: not a safetensors file (shorter than 8 bytes)"]
             (n,) = _struct.unpack("<Q", raw)
             if n > size - 8 or n > 100 * 2**20:
-                raise CheckpointError(f"{path}: corrupt safetensors header (length {n} in a {size}-byte file)")
-            header = json.loads(f.read(n))
+                return {}, [f"{path}: corrupt safetensors header (length {n} in a {size}-byte file)"]
+            header = json.loads(f.read(n).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+        return {}, [f"{path}: corrupt safetensors header ({e})"]
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
+        return {}, [f"{path}: file not found"]
+    except OSError as e:
+        return {}, [f"{path}: cannot read ({e.strerror})"]
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    out = {}
-    data_offset = 8 + n
+        return {}, [f"{path}: corrupt safetensors header (not a JSON object)"]
+    refs: dict[str, TensorRef] = {}
+    problems: list[str] = []
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        problems.append("__metadata__ must map names to strings")
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}") from None
-        if dtype not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        want = int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize
-        if end - start != want or data_offset + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} has a byte range that does not fit its shape or the file")
-        out[name] = TensorRef(path, dtype, shape, start, end, data_offset)
-    return out
+        if name != "__metadata__":
+            entry = _entry(path, name, info, size - 8 - n, 8 + n)
+            if isinstance(entry, TensorRef):
+                refs[name] = entry
+            else:
+                problems += entry
+    problems += _overlaps(refs)
+    return refs, [f"{path}: {p}" for p in problems]
+
+
+def _raise_problems(what: str, problems: list[str]) -> None:
+    """One CheckpointError listing `problems` (the first 20, then a count), if there are any."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise CheckpointError(problems[0])
+    shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+    raise CheckpointError(f"{what} ({len(problems)} problem(s)): " + "; ".join(shown))
+
+
+def read_header(path: str) -> dict[str, TensorRef]:
+    """Parse and validate a safetensors header: every entry's dtype known, shape a list of
+    non-negative integers, data_offsets two non-negative integers with `begin <= end <=` the
+    data section and `end - begin` the shape's bytes, and no two tensors sharing a byte.
+    Raises CheckpointError listing every problem."""
+    refs, problems = _parse_header(path)
+    _raise_problems("corrupt safetensors header", problems)
+    return refs
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
@@ -131,32 +212,64 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
             f.write(b)
 
 
+def _weight_map(index: str, directory: str) -> dict[str, str]:
+    """The index's `weight_map` (tensor name -> shard file name in `directory`)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    outside = sorted({s for s in weight_map.values() if os.path.basename(s) != s or s in ("", ".", "..")})
+    if outside:
+        raise CheckpointError(f"{index}: weight_map names shard(s) outside {directory}: {', '.join(outside)}")
+    return weight_map
+
+
+def _merge(files: Sequence[str], directory: str) -> tuple[dict[str, TensorRef], list[str]]:
+    """The tensors of several safetensors files in `directory`, and every problem: each file's
+    header problems and any tensor held by two files."""
+    refs: dict[str, TensorRef] = {}
+    problems: list[str] = []
+    for name in files:
+        part, bad = _parse_header(os.path.join(directory, name))
+        problems += bad
+        for t in sorted(set(part) & set(refs)):
+            problems.append(f"tensor {t!r} is in both {refs[t].path} and {part[t].path}")
+        refs.update(part)
+    return refs, problems
+
+
 def index_checkpoint(directory: str) -> dict[str, TensorRef]:
-    """All tensors of a checkpoint directory: single file or sharded via the index JSON."""
+    """All tensors of a checkpoint directory: single file or sharded via the index JSON. Raises
+    CheckpointError listing every problem of every header (and of the index)."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        weight_map = _weight_map(index, directory)
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.exists(os.path.join(directory, s))]
         if missing:
             raise CheckpointError(f"{index} names missing shard(s): {', '.join(missing)}")
-        refs: dict[str, TensorRef] = {}
-        for s in shards:
-            refs.update(read_header(os.path.join(directory, s)))
-        return refs
-    single = os.path.join(directory, "model.safetensors")
-    if os.path.exists(single):
-        return read_header(single)
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no model.safetensors, index or *.safetensors file")
-    refs = {}
-    for name in files:
-        refs.update(read_header(os.path.join(directory, name)))
+        refs, problems = _merge(shards, directory)
+        if not problems:
+            problems = [
+                f"{index} puts tensor {t!r} in {s}, which does not hold it"
+                for t, s in sorted(weight_map.items())
+                if t not in refs or os.path.basename(refs[t].path) != s
+            ]
+    else:
+        single = os.path.join(directory, "model.safetensors")
+        files = (
+            ["model.safetensors"]
+            if os.path.lexists(single)
+            else sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        )
+        if not files:
+            raise CheckpointError(f"{directory}: no model.safetensors, index or *.safetensors file")
+        refs, problems = _merge(files, directory)
+    _raise_problems("corrupt checkpoint", problems)
     return refs
 
 

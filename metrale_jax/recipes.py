@@ -11,8 +11,9 @@ Invariants:
   but true/false, or a value flag set to a boolean.
 - Key → flag: `_` becomes `-`, except `max_model_len` → `--max-seq-len`, `tensor_parallel` →
   `--tp-size`, `host` → `--bind`. A boolean renders as the bare flag (true) or nothing (false).
-- Overrides: a flag named after `--` removes the recipe's occurrence (with its value, unless
-  written `--flag=v` or followed by another flag), then the extra flags are appended.
+- Overrides: a flag named after `--` (either spelling of a boolean) removes the recipe's
+  occurrences (with the value, unless written `--flag=v` or followed by another flag), then the
+  extra flags are appended; the result names each flag as often as the extra flags do.
 - Every problem with a recipe file surfaces as `RecipeError`, one line per problem.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 import yaml
 
 from metrale_jax.engine.settings import SERVE_FLAGS
-from metrale_jax.errors import MetraleError
+from metrale_jax.errors import MetraleError, read_text
 
 #: The repository's own recipes (the `--root` default of the commands that read recipes).
 REPO_RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -77,6 +78,10 @@ class Recipe:
 #: Every serve flag spelling (`--x`, and the negative one of a boolean) → whether it is a
 #: presence-only boolean.
 _FLAG_KINDS: dict[str, bool] = {spelling: flag.type is bool for flag in SERVE_FLAGS for spelling in flag.spellings}
+#: Every serve flag spelling → all spellings of its flag (a boolean's two).
+_SPELLINGS: dict[str, tuple[str, ...]] = {
+    spelling: flag.spellings for flag in SERVE_FLAGS for spelling in flag.spellings
+}
 
 
 def flag_for_key(key: str) -> str:
@@ -199,7 +204,7 @@ def load_recipe(recipes_dir: Path, recipe_id: str) -> Recipe:
     if not path.is_file():
         known = ", ".join(recipe_ids(recipes_dir)) or "none"
         raise RecipeError(f"unknown recipe {recipe_id!r} (no {path}; known: {known})")
-    return parse_recipe(recipe_id, path.read_text(encoding="utf-8"))
+    return parse_recipe(recipe_id, read_text(path, RecipeError))
 
 
 def render_argv(recipe: Recipe) -> list[str]:
@@ -225,10 +230,16 @@ def override_flags(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
     """`argv` without every flag `extra` names, then `extra` appended.
 
     A named flag is dropped with the value after it unless it is written `--flag=v` or the
-    next token is itself a flag; `--flag=v` in `extra` names `--flag`. So a later flag
-    replaces the recipe's, value and all, and a boolean flag stays (moved to the end).
+    next token is itself a flag; `--flag=v` in `extra` names `--flag`, and a boolean's either
+    spelling names both. So a later flag replaces the recipe's, value and all, and a boolean
+    flag stays (moved to the end) or is turned off by its negative spelling.
     """
-    named = {tok.split("=", 1)[0] for tok in extra if tok.startswith("--")}
+    named = {
+        spelling
+        for tok in extra
+        if tok.startswith("--")
+        for spelling in _SPELLINGS.get(tok.split("=", 1)[0], (tok.split("=", 1)[0],))
+    }
     out: list[str] = []
     skip_value = False
     for tok in argv:

@@ -1,11 +1,13 @@
 """Draft-schedule research on the engine: run greedy speculative decoding over a prompt set under
 a schedule, get tidy per-step and per-sequence records, and summarise them.
 
-Owns: `Study` (a model and the one engine its runs share, so a sweep compiles each program once),
+Owns: `Study` (a model and the engines its runs share, so a sweep compiles each program once),
 the schedule constructors (`flat_schedule`, `ladder_schedule`), `Run` (the tidy arrays) with its
 summaries (mean accepted length, acceptance by draft position, tokens per verify row, confidence
-calibration, the trade-off of a confidence cut-off), `Study.sweep`, `study_for` (a cached study
-of a checkpoint) and `heldout_prompts` (prompts from the small model's held-out text).
+calibration, the trade-off of a confidence cut-off), `Study.sweep`, the wall-clock measurement
+(`Study.throughput` -> `Throughput`, on `Study.serving` engines, each sized as a serve, and
+`machine_label`, the machine it ran on), `study_for` (a cached study of a checkpoint) and
+`heldout_prompts` (prompts from the small model's held-out text).
 
 Invariants:
 - Runs are greedy: every emitted token is the verify's argmax, so a run's tokens equal plain
@@ -18,14 +20,20 @@ Invariants:
   as `DraftSchedule.confidence_stop` reads them; calibration reports them as probabilities.
 - A step's verify rows are K = drafts + 1 (the anchor row carries the last token): the rows that
   carry tokens, not the engine's padding to its widest K.
+- A measured time is the steady state: every program was compiled by an untimed run of the same
+  workload first, and greedy and speculative runs alternate so that both see the same load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import platform
+import time
 from collections.abc import Iterable, Sequence
 
+import jax
 import numpy as np
 
 from metrale_jax.config import ModelConfig
@@ -259,11 +267,59 @@ def _ratio(num, den) -> np.ndarray:
     return np.divide(num, den, out=np.full(num.shape, np.nan), where=den > 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """Wall-clock of one workload, the first `width` prompts at `max_new_tokens` each, generated
+    by plain greedy decoding on a plain serve and by speculative decoding under `schedule` on a
+    serve of its drafts (`Study.serving`): `repeats` alternated runs each, after an untimed
+    warm-up of both.
+
+    tokens: tokens one run generates (width x max_new_tokens, the same both ways); steps: verify
+    steps of one speculative run; greedy_seconds, speculative_seconds: float [repeats]."""
+
+    label: str
+    schedule: DraftSchedule
+    width: int
+    tokens: int
+    steps: int
+    greedy_seconds: np.ndarray
+    speculative_seconds: np.ndarray
+
+    @property
+    def greedy_tokens_per_second(self) -> float:
+        return self.tokens / float(np.median(self.greedy_seconds))
+
+    @property
+    def speculative_tokens_per_second(self) -> float:
+        return self.tokens / float(np.median(self.speculative_seconds))
+
+    @property
+    def speedup(self) -> float:
+        """Median greedy time over median speculative time (above 1: speculative is faster)."""
+        return float(np.median(self.greedy_seconds) / np.median(self.speculative_seconds))
+
+
+def machine_label() -> str:
+    """The machine a measurement runs on, for a figure: the CPU model (/proc/cpuinfo's first
+    `model name`, else `platform.processor()`), the cores this process may run on, the 1-minute
+    load average, and jax's version, backend and (where it says more) first device's kind."""
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    backend, kind = jax.default_backend(), jax.devices()[0].device_kind
+    return (
+        f"{model}, {len(os.sched_getaffinity(0))} cores, load {os.getloadavg()[0]:.1f}; "
+        f"jax {jax.__version__} on {backend}" + (f" ({kind})" if kind != backend else "")
+    )
+
+
 class Study:
-    """A model under study. Its runs share one speculative engine sized for `max_width`
-    sequences of `max_seq_len` tokens with a flat capacity of `max_drafts` drafts per slot (so
-    any schedule up to `max_drafts` fits at any width; the schedule decides what is used), and
-    the engine compiles each program once for the whole study.
+    """A model under study. Its schedule runs share one speculative engine (`engine`) sized for
+    `max_width` sequences of `max_seq_len` tokens with a flat capacity of `max_drafts` drafts per
+    slot (so any schedule up to `max_drafts` fits at any width; the schedule decides what is
+    used), and the engine compiles each program once for the whole study. Wall-clock
+    measurements run on `serving` engines instead: a plain serve and one serve per draft count.
     """
 
     def __init__(self, cfg: ModelConfig, params, *, max_width: int = 32, max_drafts: int = 4, max_seq_len: int = 512):
@@ -271,22 +327,38 @@ class Study:
             raise ValueError("a draft-schedule study needs a model with an MTP head")
         self.cfg, self.params = cfg, params
         self.max_width, self.max_drafts, self.max_seq_len = max_width, max_drafts, max_seq_len
-        self._engine: Engine | None = None
+        self._engines: dict[int | None, Engine] = {}
 
     @property
     def engine(self) -> Engine:
-        if self._engine is None:
-            raw = {
+        """The study's engine: `serving(max_drafts)`."""
+        return self.serving(self.max_drafts)
+
+    def serving(self, num_drafts: int | None) -> Engine:
+        """The engine of a serve of `max_width` slots of `max_seq_len` tokens (f32 KV): plain
+        (None: no drafter) or speculative with K = `num_drafts + 1` verify rows per sequence and
+        a flat capacity (every slot may verify `num_drafts` drafts), built once per value.
+
+        A ladder schedule runs on it as on a serve with its own ladder: that serve pads every
+        verify to the same K; only its verify h rows of the slots the ladder caps, which the
+        schedule never uses, are missing there."""
+        if num_drafts not in self._engines:
+            raw: dict = {
                 "max_batch_size": str(self.max_width),
                 "max_seq_len": self.max_seq_len,
-                "speculative": True,
-                "num_drafts": self.max_drafts,
-                "mtp_max_seqs": self.max_width,
-                "mtp_k_ladder": f"{self.max_width}:{self.max_drafts}",
                 "kv_cache_dtype": "f32",
             }
-            self._engine = Engine(self.cfg, self.params, resolve_settings(raw, None, auto_slots=self.max_width))
-        return self._engine
+            if num_drafts is not None:
+                raw |= {
+                    "speculative": True,
+                    "num_drafts": num_drafts,
+                    "mtp_max_seqs": self.max_width,
+                    "mtp_k_ladder": f"{self.max_width}:{num_drafts}",
+                }
+            self._engines[num_drafts] = Engine(
+                self.cfg, self.params, resolve_settings(raw, None, auto_slots=self.max_width)
+            )
+        return self._engines[num_drafts]
 
     def _groups(self, prompts, max_new_tokens: int, width: int | None):
         width = width or len(prompts)
@@ -294,7 +366,8 @@ class Study:
             raise ValueError("no prompts")
         if not 1 <= width <= self.max_width:
             raise ValueError(f"width {width} outside 1..{self.max_width} (the study's max_width)")
-        longest = max(len(p) for p in prompts) + max_new_tokens + self.max_drafts + 1
+        # a step reserves a verify's K rows and the next propose's drafts past the committed tokens
+        longest = max(len(p) for p in prompts) + max_new_tokens + 2 * self.max_drafts
         if longest > self.max_seq_len:
             raise ValueError(
                 f"a sequence would reach {longest} tokens, over the study's max_seq_len {self.max_seq_len}"
@@ -340,6 +413,46 @@ class Study:
                 run = self.run(prompts, max_new_tokens, sched, width=w)
                 rows.append({"label": label, "num_drafts": sched.num_drafts, "width": w, "run": run, **run.summary()})
         return rows
+
+    def throughput(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        schedules: dict[str, DraftSchedule],
+        widths: Iterable[int],
+        *,
+        repeats: int = 3,
+        fused: bool = True,
+    ) -> list[Throughput]:
+        """Every (schedule, width): the steady-state wall-clock of greedy against speculative
+        generation (`fused` or composed step) of the first `width` prompts, one `Throughput`
+        each. Raises ValueError for a schedule over `max_drafts`, a width over the prompts or the
+        study, or a run that does not fit a serve of the study's sizes."""
+        if repeats < 1:
+            raise ValueError(f"repeats {repeats} must be >= 1")
+        out = []
+        for label, sched in schedules.items():
+            if not 1 <= sched.num_drafts <= self.max_drafts:
+                raise ValueError(f"num_drafts {sched.num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
+            for w in widths:
+                if w > len(prompts):
+                    raise ValueError(f"width {w} is over the {len(prompts)} prompts given")
+                batch = [list(p) for p in prompts[:w]]
+                self._groups(batch, max_new_tokens, w)
+                plain, spec = self.serving(None), self.serving(sched.num_drafts)
+                greedy = functools.partial(greedy_generate, plain, batch, max_new_tokens)
+                speculative = functools.partial(speculative_generate, spec, batch, max_new_tokens, sched, fused=fused)
+                greedy()
+                steps = len(speculative().steps)
+                seconds = np.array([[_seconds(greedy), _seconds(speculative)] for _ in range(repeats)])
+                out.append(Throughput(label, sched, w, w * max_new_tokens, steps, seconds[:, 0], seconds[:, 1]))
+        return out
+
+
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 @functools.lru_cache(maxsize=4)

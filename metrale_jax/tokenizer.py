@@ -4,7 +4,8 @@ Owns: `ByteTokenizer` (UTF-8 bytes are ids 0..255; special tokens follow from 25
 `tokenizer.json` form, and `tokenizer_for`, which finds the tokenizer of a `--checkpoint` value.
 
 Invariants:
-- `decode(encode(text)) == text` for every str (no normalisation, no unknown token).
+- `decode(encode(text)) == text` for every str UTF-8 can hold (no normalisation, no unknown
+  token); any other str is refused by `encode` with the byte offset of its first bad character.
 - Special ids are never produced by `encode`; `decode` renders them by name, and bytes that do
   not form valid UTF-8 (a continuation cut mid-character) as U+FFFD.
 - The file format is self-contained JSON (`{"type": "bytes", "special_tokens": {...}}`): no
@@ -18,7 +19,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
-from metrale_jax.errors import MetraleError
+from metrale_jax.errors import MetraleError, read_text
 
 TOKENIZER_FILE = "tokenizer.json"
 #: The end-of-text token separating documents in training data.
@@ -49,8 +50,16 @@ class ByteTokenizer:
         return self.special_tokens.get(END_OF_TEXT)
 
     def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of `text` as ids."""
-        return list(text.encode("utf-8"))
+        """The UTF-8 bytes of `text` as ids. Raises TokenizerError naming the byte offset of the
+        first character UTF-8 cannot hold (a byte that did not decode, kept by the OS as a lone
+        surrogate, as in a command-line argument)."""
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            c = ord(text[e.start])
+            what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"character U+{c:04X}"
+            at = len(text[: e.start].encode("utf-8"))
+            raise TokenizerError(f"text is not valid UTF-8: {what} at byte offset {at}") from None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`: bytes decoded as UTF-8 (invalid runs -> U+FFFD), specials by name."""
@@ -81,17 +90,18 @@ class ByteTokenizer:
 def load_tokenizer(directory: str) -> ByteTokenizer:
     """Read `directory/tokenizer.json`. Raises TokenizerError when absent or malformed."""
     path = os.path.join(directory, TOKENIZER_FILE)
+    if not os.path.exists(path):
+        raise TokenizerError(f"no {TOKENIZER_FILE} in {directory}")
     try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise TokenizerError(f"no {TOKENIZER_FILE} in {directory}") from None
+        raw = json.loads(read_text(path, TokenizerError))
     except json.JSONDecodeError as e:
         raise TokenizerError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict) or raw.get("type") != "bytes":
         raise TokenizerError(f'{path}: only byte-level tokenizers (type "bytes") are supported')
     specials = raw.get("special_tokens", {})
-    if not isinstance(specials, dict) or not all(isinstance(v, int) for v in specials.values()):
+    if not isinstance(specials, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in specials.values()
+    ):
         raise TokenizerError(f"{path}: special_tokens must map names to integer ids")
     return ByteTokenizer(specials)
 

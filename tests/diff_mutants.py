@@ -1,14 +1,18 @@
 """Planted state-handling bugs for the diff's detection-power tests, without touching the engine.
 
 Owns: `MutantEngine`, an `Engine` whose public verdict methods misbehave only while one of the
-mutant forwards in `MUTANTS` is selected (the math then runs the `xla` forward), and
-`mutant_variants`, the diff variants that select them. Under any other forward it is the engine.
+mutant forwards in `MUTANTS` is selected (the math then runs the `xla` forward), and whose fused
+speculative step misbehaves while one of `FUSED_MUTANTS` is; `mutant_variants` and
+`fused_mutant_variants`, the diff variants that select them. Under any other forward it is the
+engine.
 
 Invariant: a mutant changes only what its name says, and only in replays (the diff's reference
 always runs `xla`).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from metrale_jax.diff import Variant
 from metrale_jax.engine.engine import Engine
@@ -21,6 +25,14 @@ MUTANTS = {
     "mutant-wrong-slot": "the verify reads another sequence's slot",
     "mutant-prenorm-hidden": "the drafter is fed the pre-norm hidden",
 }
+#: Bugs of the fused step alone; the first changes only junk no output ever reads.
+FUSED_MUTANTS = {
+    "mutant-fused-dummy-stash": "the fused step also writes the padding dummy's stash row",
+}
+
+
+def _bump_stash_row(pool, slot):
+    return pool.replace(stash=pool.stash.at[slot].add(1.0))
 
 
 class MutantEngine(Engine):
@@ -33,13 +45,20 @@ class MutantEngine(Engine):
         self._base_cfg = cfg
 
     def set_forward(self, name: str) -> None:
-        self.mutant = name if name in MUTANTS else None
+        self.mutant = name if name in MUTANTS or name in FUSED_MUTANTS else None
         super().set_forward("xla" if self.mutant else name)
         prenorm = self.mutant == "mutant-prenorm-hidden"
         self.cfg = self._base_cfg.replace(mtp_hidden_postnorm=False) if prenorm else self._base_cfg
 
     def disclosure(self, name=None):
-        return super().disclosure("xla" if name in MUTANTS else name)
+        return super().disclosure("xla" if name in MUTANTS or name in FUSED_MUTANTS else name)
+
+    def speculative_step(self, seqs, tokens, ks, num_drafts, **kw):
+        out = super().speculative_step(seqs, tokens, ks, num_drafts, **kw)
+        if self.mutant == "mutant-fused-dummy-stash":
+            slot = np.asarray(self.counts.dummy_slot, np.int32)
+            self.pool = self.programs.run("mutant_stash", _bump_stash_row, None, self.pool, slot)
+        return out
 
     def gdn_fold_accepted(self, seqs, rows, ks):
         if self.mutant == "mutant-fold-row":
@@ -72,3 +91,8 @@ class MutantEngine(Engine):
 def mutant_variants(names=MUTANTS) -> list[Variant]:
     """The diff variants of the named mutants, each declared bit-identical to the reference."""
     return [Variant(f"{name} ({MUTANTS[name]})", name) for name in names]
+
+
+def fused_mutant_variants() -> list[Variant]:
+    """The fused-step variants of `FUSED_MUTANTS`, each declared bit-identical."""
+    return [Variant(f"{name} ({why})", name, step="fused") for name, why in FUSED_MUTANTS.items()]

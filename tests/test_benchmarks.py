@@ -50,12 +50,12 @@ def smoke(tmp_path_factory):
 
 def test_smoke_prints_every_table_and_writes_the_json(smoke):
     res, saved = smoke
-    assert (
-        list(saved["sections"]) == ["hf", "compile", "forwards", "gap", "slots", "roofline"] and saved["failed"] == []
-    )
+    assert list(saved["sections"]) == ["hf", "hf-300m", "e2e", "compile", "forwards", "gap", "slots", "roofline"]
+    assert saved["failed"] == []
     for title in (
         "machine:",
         "HF transformers",
+        "== End to end",
         "== Compile cost",
         "== Forwards",
         "== Idle gap",
@@ -67,19 +67,51 @@ def test_smoke_prints_every_table_and_writes_the_json(smoke):
     assert set(saved["load"]) == set(saved["sections"])
 
 
-def test_hf_section_compares_the_same_weights_or_says_why_it_was_skipped(smoke):
+@pytest.mark.parametrize("section, model_type", [("hf", "qwen3_next"), ("hf-300m", "qwen3_5_moe_text")])
+def test_hf_section_compares_the_same_weights_or_says_why_it_was_skipped(smoke, section, model_type):
+    """Both checkpoint layouts load in HF with the engine's weights (hf-300m's smoke stand-in is written in
+    the Qwen3.5-MoE layout), and every decode and verify case carries its CPU roofline."""
     _, saved = smoke
-    hf = saved["sections"]["hf"]
+    hf = saved["sections"][section]
     if "skipped" in hf:
         assert "venv" in hf["skipped"]
         assert hf_env.ensure_hf_venv(create=False)[0] is None
         return
+    assert hf["model_type"] == model_type and hf["bandwidth_past_cache"] > 0
     assert [c["kind"] for c in hf["cases"]] == ["prefill", "decode", "verify"]
     for c in hf["cases"]:
         assert c["max_abs_diff"] <= 1e-4 * c["max_abs_logit"], c  # both sides run the same float32 weights
+        assert c["rows_differ"] == 0 and c["logit_rows"] == c["n"] * (c["t"] if c["kind"] == "verify" else 1)
         assert math.isfinite(c["ratio_of_medians"]) and c["ratio_of_medians"] > 0
         assert c["jax"]["n"] == c["hf"]["n"] == 1 and c["jax_device_s"] > 0
         assert c["jax_b2b"]["n"] == c["hf_b2b"]["n"] == hf["block"] == 2 and c["hf_over_jax_b2b"] > 0
+        if c["kind"] == "prefill":
+            assert c["roofline"] is None
+            continue
+        ro = c["roofline"]
+        assert ro["floor_s"] == pytest.approx(ro["bytes"]["total_must"] / ro["bandwidth_weights_sized"])
+        assert ro["bytes"]["weights_must"] < ro["bytes"]["weights_all_experts"] and ro["floor_over_jax_device"] > 0
+
+
+def test_e2e_section_generates_the_greedy_tokens_both_ways(smoke):
+    """Every speculative variant (MTP drafts on `small`, oracle drafts on the stand-in width; fused, and
+    composed at the largest draft count) emitted the greedy tokens in every call, and the rates and ratios
+    were measured."""
+    from benchmarks.e2e import modes_at
+
+    _, saved = smoke
+    rows = saved["sections"]["e2e"]["rows"]
+    assert [(r["model"], r["drafter"], r["n"], r["drafts"], r["mode"]) for r in rows] == [
+        ("small", "MTP", 1, 1, "fused"),
+        ("small", "MTP", 1, 1, "composed"),
+        ("tiny-2L", "oracle", 2, 2, "fused"),
+        ("tiny-2L", "oracle", 2, 2, "composed"),
+    ]
+    assert [modes_at(d, [1, 2, 3]) for d in (1, 2, 3)] == [("fused",), ("fused",), ("fused", "composed")]
+    for r in rows:
+        assert r["same_tokens"] and r["verify_steps"] > 0
+        assert 1 <= r["tokens_per_verify_per_seq"] <= r["drafts"] + 1
+        assert r["spec_tok_s"]["median"] > 0 and r["greedy_tok_s"]["median"] > 0 and r["ratio"]["median"] > 0
 
 
 def test_gap_section_times_every_gap_in_every_round(smoke):
@@ -131,7 +163,7 @@ def test_forwards_agree_and_the_roofline_dry_run_is_consistent(smoke):
     rl = saved["sections"]["roofline"]
     assert rl["dry_run"] and rl["refusals"] == []
     for s in rl["steps"]:
-        assert 0 < s["floor_must_ms"] <= s["floor_impl_ms"]
+        assert 0 < s["floor_must_ms"] <= s["floor_all_experts_ms"]
         assert s["device_ms"] > 0 and s["engine_ms"] > 0
         assert [k["kernel"] for k in s["kernels"]] == ["gdn_rows", "attention"] and all(k["ok"] for k in s["kernels"])
 
@@ -143,11 +175,11 @@ def test_step_bytes_of_the_real_qwen35_stack():
     one = roofline.step_bytes(cfg, st, n=1, t=1, ctx=1000, verify=False, drafter=False, weight_bytes=2)
     expert = 3 * 2048 * 512 * 2  # gate, up, down of one expert, bf16
     assert one["experts_hit_per_layer"] == pytest.approx(8)
-    assert one["weights_impl"] - one["weights_must"] == pytest.approx(4 * (256 - 8) * expert)
+    assert one["weights_all_experts"] - one["weights_must"] == pytest.approx(4 * (256 - 8) * expert)
     assert one["kv"] == 1 * 1 * (1001 + 1) * 2 * 256 * 2 * 2  # one attention layer: ctx + 1 keys read, 1 written
     assert one["state"] == 3 * (2 * 32 * 128 * 128 * 4 + 2 * 8192 * 4 * 2)
     ver = roofline.step_bytes(cfg, st, n=8, t=4, ctx=1000, verify=True, drafter=True, weight_bytes=2)
-    assert one["weights_must"] < ver["weights_must"] < ver["weights_impl"]
+    assert one["weights_must"] < ver["weights_must"] < ver["weights_all_experts"]
     assert ver["logits"] == 32 * 248320 * 4
 
 
@@ -206,10 +238,19 @@ def test_benchmark_checkpoint_is_rewritten_when_the_weights_change(tmp_path):
 
 
 def test_hf_table_marks_cases_whose_logits_differ():
+    """A case's logit rows over the tolerance: none (clean), a minority (one sequence's routing near-tie,
+    named as such), most (not the same model)."""
+    from benchmarks.vs_hf import _diff
+
+    hf_logits = np.linspace(-5.0, 5.0, 4 * 7).reshape(4, 7)
+    jax_logits = hf_logits.copy()
+    jax_logits[2, 3] += 0.5
+    assert _diff(jax_logits, hf_logits) == (pytest.approx(0.5), 5.0, 1, 4)
+    assert _diff(hf_logits + 1e-6, hf_logits)[2:] == (0, 4)
     stats = {"n": 1, "median": 1e-3, "min": 1e-3, "max": 1e-3, "p25": 1e-3, "p75": 1e-3}
     timings = dict.fromkeys(("jax", "hf", "ratio", "jax_b2b", "hf_b2b", "ratio_b2b"), stats)
     ratios = dict.fromkeys(("ratio_of_medians", "hf_over_jax", "hf_over_jax_b2b"), 1.0)
-    case = dict(kind="verify", n=1, t=2, **timings, jax_first_s=1.0, jax_device_s=1e-3, max_abs_logit=5.0, **ratios)
+    case = dict(kind="verify", n=2, t=2, **timings, jax_first_s=1.0, jax_device_s=1e-3, max_abs_logit=5.0, **ratios)
     hf = {"transformers": "5", "torch": "2", "attn_implementation": "sdpa", "experts_implementation": "x", "threads": 1}
     run = {
         "model": "tiny",
@@ -218,10 +259,15 @@ def test_hf_table_marks_cases_whose_logits_differ():
         "warmup": 0,
         "block": 1,
         "hf": hf,
-        "cases": [dict(case, max_abs_diff=2e-5), dict(case, max_abs_diff=4.2)],
+        "cases": [
+            dict(case, max_abs_diff=2e-5, rows_differ=0, logit_rows=4),
+            dict(case, max_abs_diff=0.5, rows_differ=1, logit_rows=4),
+            dict(case, max_abs_diff=4.2, rows_differ=3, logit_rows=4),
+        ],
     }
     rows = [line for line in report.hf_table(run).text().splitlines() if line.startswith("verify")]
-    assert len(rows) == 2 and "LOGITS DIFFER" not in rows[0] and "LOGITS DIFFER" in rows[1]
+    assert len(rows) == 3 and not any("differ" in r.lower() for r in rows[:1])
+    assert "1/4 logit rows differ" in rows[1] and "LOGITS DIFFER" not in rows[1] and "LOGITS DIFFER" in rows[2]
 
 
 def test_notes_replace_only_the_results_section_and_need_both_markers(tmp_path):
@@ -243,21 +289,97 @@ def test_notes_replace_only_the_results_section_and_need_both_markers(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["BARE.md", "NOTES.md"]  # no temporary file left
 
 
-def test_default_run_times_the_realistic_width_model_at_its_own_sizes():
-    """`make bench` compares with HF on tiny and on the hidden-512 Qwen3-Next, each at its own sizes."""
+def test_default_run_times_the_realistic_width_models_at_their_own_sizes():
+    """`make bench` compares with HF on tiny, on the 45 M Qwen3-Next and on the ~300 M Qwen3.5-MoE, each at
+    its own sizes, and runs the end-to-end section; both wide models have one MTP layer (their verify is
+    speculative), the 300 M one in the Qwen3.5-MoE checkpoint layout."""
     s = cli._resolve(cli.parse([]))
-    assert s.sections[:2] == ["hf", "hf-wide"] and "hf-wide" not in cli._resolve(cli.parse(["--smoke"])).sections
-    w = s.wide()
-    assert (w.model, w.prefill_lens, w.ns, w.ks, w.repeats, w.block) == (
+    assert s.sections[:4] == ["hf", "hf-45m", "hf-300m", "e2e"]
+    assert "hf-45m" not in cli._resolve(cli.parse(["--smoke"])).sections
+    sizes = {name: (w.model, w.prefill_lens, w.ns, w.ks, w.repeats, w.prefill_b2b) for name, w in s.wide.items()}
+    assert sizes == {
+        "hf-45m": ("qwen3-next-h512", [128, 1024, 2048], [1, 8], [4], 3, False),
+        "hf-300m": ("qwen35-moe-h1024", [128], [1, 8], [4], 3, False),
+    }
+    w = s.hf_section("hf-300m")
+    assert (w.model, w.prefill_lens, w.repeats, w.warmup, w.block, w.ctx) == ("qwen35-moe-h1024", [128], 3, 1, 2, 128)
+    assert (s.model, s.prefill_lens, s.repeats, s.block, s.prefill_b2b) == ("tiny", [128, 512, 2048], 7, 8, True)
+    assert cli._resolve(cli.parse(["--wide-ns", "2"])).hf_section("hf-45m").ns == [2]
+    assert (s.e2e_ns, s.e2e_drafts, s.e2e_oracle_model, s.e2e_oracle_ns, s.e2e_accept) == (
+        [1, 4, 8],
+        [1, 2, 3],
         "qwen3-next-h512",
-        [128, 512],
         [1, 8],
-        [4],
-        5,
-        2,
+        0.8,
     )
-    assert (s.model, s.prefill_lens, s.repeats, s.block) == ("tiny", [128, 512, 2048], 7, 8)
-    cfg = models.config("qwen3-next-h512")
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok) == (512, 8, 8, 2)
+    h512, h1024 = models.config("qwen3-next-h512"), models.config("qwen35-moe-h1024")
+    assert (h512.hidden_size, h512.num_hidden_layers, h512.num_experts, h512.num_experts_per_tok) == (512, 8, 8, 2)
+    assert 44e6 < models.parameter_count(h512.replace(num_mtp_layers=0)) < 46e6  # the issue's 45 M checkpoint
+    assert (h1024.hidden_size, h1024.num_hidden_layers, h1024.num_experts, h1024.num_experts_per_tok) == (
+        1024,
+        16,
+        32,
+        4,
+    )
+    assert (h1024.linear_num_key_heads, h1024.linear_num_value_heads, h1024.linear_value_head_dim) == (8, 16, 64)
+    assert h1024.layer_types.count("full_attention") == 4 and h1024.vocab_size == 32768
+    assert 280e6 < models.parameter_count(h1024) < 320e6 and h1024.weight_layout == "qwen3_5"
+    assert h512.num_mtp_layers == h1024.num_mtp_layers == 1
     shapes = jax.eval_shape(lambda: models.model("qwen3-next-h512")[1])
-    assert 45e6 < sum(x.size for x in jax.tree_util.tree_leaves(shapes)) < 55e6
+    assert sum(x.size for x in jax.tree_util.tree_leaves(shapes)) == models.parameter_count(h512)
+
+
+def test_oracle_drafts_replay_the_continuation_with_the_planted_acceptance():
+    """Position j of a prompt's continuation is proposed right with probability p, planted once (the same
+    at every call and from any committed length); a wrong draft is never the right token; past the
+    continuation every draft is wrong."""
+    from benchmarks.e2e import OracleDrafts
+
+    prompt, cont = [5, 6, 7], [int(t) for t in np.random.default_rng(1).integers(0, 50, 4000)]
+    oracle = OracleDrafts([prompt], [cont], 0.8, vocab=50, seed=0)
+    drafts = oracle(0, prompt + cont[:1], len(cont) - 1)  # after the first emitted token: positions 1..
+    right = np.array(drafts) == np.array(cont[1:])
+    assert abs(right.mean() - 0.8) < 0.03
+    assert drafts == oracle(0, prompt + cont[:1], len(cont) - 1) and oracle(0, prompt + cont[:10], 3) == drafts[9:12]
+    assert [d == (c + 1) % 50 for d, c in zip(drafts, cont[1:]) if d != c] == [True] * int((~right).sum())
+    assert OracleDrafts([prompt], [cont], 1.0, vocab=50, seed=0)(0, prompt + cont[:1], 5) == cont[1:6]
+    never = OracleDrafts([prompt], [cont], 0.0, vocab=50, seed=0)(0, prompt + cont[:1], 100)
+    assert all(d != c for d, c in zip(never, cont[1:]))
+    assert oracle(0, prompt + cont, 2) == [1, 1]  # past the continuation: (0 + 1) mod V
+
+
+def test_step_clock_rates_tokens_between_its_first_and_last_report(monkeypatch):
+    from benchmarks import e2e
+
+    clock = e2e.StepClock()
+    assert math.isnan(clock.rate())
+    ticks = iter([1.0, 1.5, 3.0])
+    monkeypatch.setattr(e2e.time, "perf_counter", lambda: next(ticks))
+    for emitted in (4, 10, 24):
+        clock(emitted)
+    assert clock.rate() == pytest.approx(10.0)  # (24 - 4) tokens over 2 s
+
+
+def test_cpu_roofline_counts_routed_experts_and_the_drafter_and_measures_each_size_once(monkeypatch):
+    from benchmarks import cpu_roofline
+
+    cfg = models.config("qwen35-moe-h1024")
+    st = models.settings(max_batch_size=8, max_seq_len=256, speculative=True, num_drafts=3)
+    one = roofline.step_bytes(cfg, st, n=1, t=1, ctx=128, verify=False, drafter=False, weight_bytes=4)
+    expert = 3 * 1024 * 96 * 4  # gate, up, down of one expert, f32
+    assert one["experts_hit_per_layer"] == pytest.approx(4)  # one row: exactly its top-4 per layer
+    assert one["weights_all_experts"] - one["weights_must"] == pytest.approx(16 * (32 - 4) * expert)
+    with_mtp = roofline.step_bytes(cfg, st, n=1, t=1, ctx=128, verify=False, drafter=True, weight_bytes=4)
+    assert with_mtp["weights_all_experts"] - with_mtp["weights_must"] == pytest.approx(17 * (32 - 4) * expert)
+    assert with_mtp["kv"] == one["kv"] * 5 / 4  # the drafter's attention layer next to the trunk's four
+    eight = roofline.step_bytes(cfg, st, n=8, t=1, ctx=128, verify=False, drafter=False, weight_bytes=4)
+    assert eight["experts_hit_per_layer"] == pytest.approx(32 * (1 - (1 - 4 / 32) ** 8))  # uniform routing
+    measured: list[int] = []
+    monkeypatch.setattr(cpu_roofline, "read_bandwidth", lambda nbytes: measured.append(nbytes) or 1e10)
+    bw = cpu_roofline.Bandwidths(past_cache=5e9)
+    a = cpu_roofline.step_roofline(bw, cfg, st, n=1, t=1, ctx=128, verify=False, drafter=False, weight_bytes=4)
+    cpu_roofline.step_roofline(bw, cfg, st, n=1, t=1, ctx=256, verify=False, drafter=False, weight_bytes=4)
+    cpu_roofline.step_roofline(bw, cfg, st, n=8, t=1, ctx=128, verify=False, drafter=False, weight_bytes=4)
+    assert measured == [int(one["weights_must"]), int(eight["weights_must"])]  # one read per weights size
+    assert a["floor_s"] == pytest.approx(one["total_must"] / 1e10)
+    assert a["floor_past_cache_s"] == pytest.approx(one["total_must"] / 5e9)

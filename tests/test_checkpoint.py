@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import struct
 
 import jax
 import numpy as np
@@ -101,6 +103,38 @@ def test_files_readable_by_safetensors_library(tmp_path):
     np.testing.assert_array_equal(back["x"], a["x"])
     safetensors.numpy.save_file(a, str(tmp_path / "u.safetensors"))
     np.testing.assert_array_equal(read_header(str(tmp_path / "u.safetensors"))["x"].read(), a["x"])
+
+
+def _two_tensors(tmp_path, edit):
+    """A file of x [2, 3] f32 and y [3] f32 whose header `edit` changed (data bytes unchanged)."""
+    path = tmp_path / "t.safetensors"
+    write_safetensors(str(path), {"x": np.zeros((2, 3), np.float32), "y": np.ones(3, np.float32)})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n :])
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: h["y"].update(data_offsets=[-12, 0]), "data_offsets [-12, 0] are not two non-negative integers"),
+        (lambda h: h["y"].update(data_offsets=[12, 24]), "tensors 'x' and 'y' overlap"),
+        (lambda h: h["y"].update(data_offsets=[36, 48]), "are not within the 36-byte data section"),
+        (lambda h: h["y"].update(shape=[2]), "hold 12 bytes; shape [2] of F32 needs 8"),
+        (lambda h: h["y"].update(shape=["3"]), "shape ['3'] is not a list of non-negative integers"),
+    ],
+    ids=["negative", "overlap", "past-the-end", "size", "strings"],
+)
+def test_headers_the_safetensors_library_refuses_are_refused(tmp_path, edit, message):
+    path = _two_tensors(tmp_path, edit)
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.numpy.load_file(path)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        read_header(path)
 
 
 def _saved(tmp_path):

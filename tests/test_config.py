@@ -94,3 +94,26 @@ def test_load_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_model_config(tmp_path)
+
+
+def test_every_type_problem_is_listed_in_one_error():
+    with pytest.raises(ConfigError) as e:
+        from_hf_dict(_next(vocab_size=100.5, head_dim="16", attention_bias="no", rms_norm_eps=float("nan")))
+    assert str(e.value).startswith("config.json (4 problem(s)): vocab_size must be an integer, got 100.5; ")
+    for needle in ("head_dim must be an integer", "attention_bias must be true or false", "rms_norm_eps must be a"):
+        assert needle in str(e.value)
+
+
+def test_every_range_problem_is_listed_in_one_error():
+    with pytest.raises(ConfigError) as e:
+        from_hf_dict(_next(hidden_size=-64, num_key_value_heads=0, num_experts=-1))
+    assert str(e.value).count(";") == 2 and "hidden_size must be a positive integer, got -64" in str(e.value)
+    with pytest.raises(ConfigError, match=r"num_hidden_layers 1000000000 is over 4096"):
+        from_hf_dict(_next(num_hidden_layers=10**9))
+
+
+def test_an_odd_rotary_dim_rotates_one_channel_more_as_hf_does():
+    cfg = from_hf_dict(_next(head_dim=20, partial_rotary_factor=0.25))
+    assert (cfg.rotary_dim, cfg.rotary_width) == (5, 6)
+    with pytest.raises(ConfigError, match="rotary dim 5 rotates 6 channels, over head_dim 5"):
+        from_hf_dict(_next(head_dim=5, partial_rotary_factor=1.0))

@@ -3,8 +3,9 @@ the embedded model and on a fixture checkpoint, detection power against planted 
 command's exit codes.
 
 Engines are module-scoped (compilation dominates on a 2-core CPU); every diff frees what it
-allocates, so they share one engine. Variants are `xla-repeat` (run-to-run determinism) and, in
-the detection test, the planted-bug forwards of `diff_mutants`.
+allocates, so they share one engine. Variants are `xla-repeat` (run-to-run determinism), `fused`
+(the fused speculative step in lock-step with the composed one; the verify modes only) and, in
+the detection tests, the planted-bug forwards of `diff_mutants`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import FIXTURES, settings
-from diff_mutants import MutantEngine, mutant_variants
+from diff_mutants import MutantEngine, fused_mutant_variants, mutant_variants
 
 from metrale_jax.diff import (
     BIT_IDENTICAL,
@@ -51,6 +52,8 @@ from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli import diff_cmd
 
 XLA_REPEAT = [Variant("xla-repeat", "xla")]
+FUSED = [Variant("fused", "xla", step="fused")]
+FUSED_MUTANT = fused_mutant_variants()
 MOE = os.path.join(FIXTURES, "hf", "qwen3_next_moe")
 
 
@@ -233,6 +236,7 @@ def _controls(report):
         return [(c["variant"], c["saw_difference_after"]) for c in report["controls"]]
     sections = report.get("widths") or report.get("shapes") or report.get("verify") or []
     controls = [s["detection_control"] for s in sections] + [report.get("detection_control")]
+    controls += [s.get("fused_detection_control") for s in sections]
     return [(c["variant"], c["mismatched_steps"] > 0 or not c["prefill_equal"]) for c in controls if c]
 
 
@@ -240,10 +244,17 @@ def _controls(report):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_each_mode_passes_with_a_control_that_fires(request, checkpoint, mode):
     engine = request.getfixturevalue(checkpoint)
-    report = run_diff(engine, MODES[mode], XLA_REPEAT)
+    report = run_diff(engine, MODES[mode], XLA_REPEAT + FUSED)
     assert report["mode"] == mode
     assert report["verdict"] == "PASS", report["reasons"]
     assert _controls(report) and all(fired for _, fired in _controls(report))
+    fused = {v["name"]: v for v in report["variants"]}["fused"]
+    if mode.startswith("verify"):
+        sections = report.get("shapes") or report["verify"]
+        assert all(s["fused_detection_control"] for s in sections)
+        assert all(c["ok"] and c["steps"] for s in sections for c in s["comparisons"] if c["variant"] == "fused")
+    else:
+        assert not fused["available"] and "--verify" in fused["reason"]
     assert engine.slots.live == 0 and engine.forward == "xla"
     json.loads(to_json(report))
     assert "verdict: PASS" in render_summary(report)
@@ -290,6 +301,18 @@ def test_planted_state_bugs_each_fail_naming_their_step(tiny_engine):
             r.startswith(f"verify-batch n=3 ks=[4, 4, 4], {name}") and f"first at step {expected[name][0]}," in r
             for r in report["reasons"]
         ), name
+
+
+def test_the_fused_lockstep_compares_every_pool_leaf(tiny_engine):
+    """A fused step that also writes junk no output reads (the padding dummy's stash row) FAILs
+    at step 0 on that pool leaf, while its logits, drafts and confidences stay equal."""
+    report = run_diff(
+        tiny_engine, DiffRequest(steps=3, verify_batch=(2,), verify_batch_ks=(4,), mtp=True), FUSED_MUTANT
+    )
+    (c,) = report["shapes"][0]["comparisons"]
+    assert not c["ok"] and report["verdict"] == "FAIL"
+    assert (c["first_violation"]["step"], c["first_violation"]["part"]) == (0, "pool stash")
+    assert c["mismatched_steps"] == c["steps"] == 3
 
 
 # ---------------------------------------------------------------- the command
@@ -373,7 +396,7 @@ def test_a_forward_that_cannot_be_built_is_reported_unavailable(monkeypatch):
 
     monkeypatch.setattr(variants_mod, "make_ops", make_ops)
     found, unavailable = variants_mod.default_variants()
-    assert [v.label for v in found] == ["xla-repeat"]
+    assert [(v.label, v.step) for v in found] == [("xla-repeat", "composed"), ("fused", "fused")]
     assert unavailable == [{"name": "pallas", "reason": "ImportError: no kernels here"}]
 
 

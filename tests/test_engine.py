@@ -1,8 +1,9 @@
-"""The engine core: write-on-accept verify, fold, commit, drafter, isolation, errors, recompiles.
+"""The engine core: write-on-accept verify, fold, commit, drafter, isolation, errors, recompiles,
+and the fused speculative step (one program, one transfer) against the composed one.
 
 Bytewise claims compare runs of identical program shapes (XLA CPU dots are not batch-invariant,
 so a [B, 4] verify grid and a [B, 1] decode differ in the last ulp); claims across shapes use
-float32 tolerances.
+float32 tolerances. Every generation oracle runs on both step paths (`fused`).
 """
 
 import jax
@@ -47,15 +48,9 @@ def _slot_state(eng, slot):
 
 
 def _step(eng, seqs, rows, na):
-    """Verify `rows` (one list per sequence), then the scheduler's verdict order with `na`."""
-    ks = [len(r) for r in rows]
-    logits, am = eng.verify_batched(seqs, [t for r in rows for t in r], ks)
-    off = np.concatenate([[0], np.cumsum(ks)])
-    eng.stash_verify_hidden_rows(seqs, [int(off[i]) + a for i, a in enumerate(na)])
-    eng.gdn_fold_accepted(seqs, [a + 1 for a in na], ks)
-    for s, k, a in zip(seqs, ks, na):
-        eng.rewind(s, k - 1 - a)
-    eng.commit_accepted_prefixes(seqs, [a + 1 for a in na], ks)
+    """Verify `rows` (one list per sequence), then its verdict with `na` (`Engine.accept`)."""
+    logits, am = eng.verify_batched(seqs, [t for r in rows for t in r], [len(r) for r in rows])
+    eng.accept(seqs, na)
     return logits, am
 
 
@@ -204,7 +199,7 @@ def _poison_except(pool, eng, seqs):
     )
 
 
-def _run_isolated(eng, greedy_ref, poison):
+def _run_isolated(eng, greedy_ref, poison, fused):
     seqs = [eng.alloc_sequence() for _ in range(3)]
     try:
         outs = []
@@ -213,33 +208,42 @@ def _run_isolated(eng, greedy_ref, poison):
         if poison:
             eng.pool = _poison_except(eng.pool, eng, seqs)
         last = [int(o.argmax()) for o in outs]
-        rows = [[last[0], *greedy_ref[1:4]], [last[1], greedy_ref[1]], [last[2], *greedy_ref[1:3]]]
-        outs.append(_step(eng, seqs, rows, [3, 0, 1])[0])
-        d, c, lg = eng.propose_batched(seqs, [1, 2, 3], 3)
-        outs += [d, c, lg, eng.decode_batch(seqs, [4, 5, 6])]
+        rows = [[last[0], *greedy_ref[1:4]], [last[1], (greedy_ref[1] + 1) % 256], [last[2], *greedy_ref[1:3]]]
+        if fused:
+            r = eng.speculative_step(seqs, [t for x in rows for t in x], [4, 2, 3], 3, logits=True)
+            outs += [r.accepted, np.concatenate(r.emitted), r.drafts, r.confidences, r.verify_logits, r.draft_logits]
+        else:
+            outs.append(_step(eng, seqs, rows, [3, 0, 2])[0])
+            d, c, lg = eng.propose_batched(seqs, [1, 2, 3], 3)
+            outs += [d, c, lg]
+        outs.append(eng.decode_batch(seqs, [4, 5, 6]))
         outs += [np.asarray(eng.pool.trunk.gdn_h[:, s.slot]) for s in seqs]
         return outs
     finally:
         _free_all(eng, seqs)
 
 
-def test_slot_isolation_nan_elsewhere_changes_nothing(eng, greedy_ref):
+@pytest.mark.parametrize("fused", [False, True])
+def test_slot_isolation_nan_elsewhere_changes_nothing(eng, greedy_ref, fused):
     """NaN in every other slot, block, verify row and stash row (the padding dummy included):
     logits, drafts, confidences and state are bit-identical — bugs 13, 16."""
-    clean = _run_isolated(eng, greedy_ref, poison=False)
-    dirty = _run_isolated(eng, greedy_ref, poison=True)
+    clean = _run_isolated(eng, greedy_ref, poison=False, fused=fused)
+    dirty = _run_isolated(eng, greedy_ref, poison=True, fused=fused)
+    if fused:
+        assert clean[3].tolist() == [3, 0, 2], "the device accepted every agreeing draft"
     for a, b in zip(clean, dirty):
         np.testing.assert_array_equal(a, b)
 
 
-def test_speculative_equals_greedy_mtp_and_oracle(eng, tiny):
+@pytest.mark.parametrize("fused", [False, True])
+def test_speculative_equals_greedy_mtp_and_oracle(eng, tiny, fused):
     """Greedy speculative generation (MTP drafts, and oracle drafts with planted errors so full
     and partial accepts both happen) emits exactly plain greedy's tokens, ragged K included."""
     rng = np.random.default_rng(3)
     prompts = [[int(x) for x in rng.integers(0, 256, size=n)] for n in (9, 17, 30)]
     ref = greedy_generate(eng, prompts, 64)
     for nd in (1, 3):
-        r = speculative_generate(eng, prompts, 64, DraftSchedule(nd))
+        r = speculative_generate(eng, prompts, 64, DraftSchedule(nd), fused=fused)
         assert r.tokens == ref
 
     def oracle(i, toks, n):
@@ -249,7 +253,7 @@ def test_speculative_equals_greedy_mtp_and_oracle(eng, tiny):
             d[1] = (d[1] + 1) % 256
         return d[: (i % 3) + 1 if n > 1 else n]
 
-    r = speculative_generate(eng, prompts, 64, DraftSchedule(3), draft_source=oracle)
+    r = speculative_generate(eng, prompts, 64, DraftSchedule(3), draft_source=oracle, fused=fused)
     assert r.tokens == ref
     acc = [(a, k) for s in r.steps for a, k in zip(s.accepted, s.ks)]
     assert any(a == k - 1 and k > 1 for a, k in acc) and any(a < k - 1 for a, k in acc)
@@ -328,7 +332,8 @@ def test_errors_leave_no_leak(eng):
     assert (eng.slots.live, eng.blocks.free_count) == (slots_live, free)
 
 
-def test_zero_recompiles_in_a_ragged_verify_loop(eng, greedy_ref):
+@pytest.mark.parametrize("fused", [False, True])
+def test_zero_recompiles_in_a_ragged_verify_loop(eng, greedy_ref, fused):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *a, **k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
@@ -342,9 +347,11 @@ def test_zero_recompiles_in_a_ragged_verify_loop(eng, greedy_ref):
                 before, compiles[:] = eng.programs.compilations, []
             ks = pattern[step % 3]
             rows = [[last[i], *greedy_ref[1 : ks[i]]] for i in range(3)]
-            na = [(step + i) % k for i, k in enumerate(ks)]
-            _, am = _step(eng, seqs, rows, na)
-            eng.propose_batched(seqs, last, 3)
+            if fused:
+                eng.speculative_step(seqs, [t for r in rows for t in r], ks, 3)
+            else:
+                _step(eng, seqs, rows, [(step + i) % k for i, k in enumerate(ks)])
+                eng.propose_batched(seqs, last, 3)
             for s in seqs:
                 eng.trim_proposer(s)
                 if s.seq_len > 200:
@@ -389,7 +396,7 @@ def test_replay_rollback_matches_snapshot(eng, tiny, greedy_ref):
 
 def test_speculative_equals_greedy_on_a_loaded_checkpoint():
     """The oracle on real HF-layout weights (the Qwen3-Next MoE fixture with its mtp.* head),
-    ragged K from a confidence stop and widths 1 and 3."""
+    ragged K from a confidence stop and widths 1 and 3, on both step paths (the same steps)."""
     import os
 
     from conftest import FIXTURES
@@ -402,9 +409,10 @@ def test_speculative_equals_greedy_on_a_loaded_checkpoint():
     prompts = [[int(x) for x in rng.integers(0, cfg.vocab_size, size=n)] for n in (40, 13, 70)]
     for batch in (prompts[:1], prompts):
         ref = greedy_generate(eng, batch, 64)
-        r = speculative_generate(eng, batch, 64, DraftSchedule(3, confidence_stop=-2.0))
-        assert r.tokens == ref
-    assert len({k for s in r.steps for k in s.ks}) > 1
+        runs = [speculative_generate(eng, batch, 64, DraftSchedule(3, confidence_stop=-2.0), fused=f) for f in (0, 1)]
+        assert runs[0].tokens == runs[1].tokens == ref
+        assert runs[0].steps == runs[1].steps
+    assert len({k for s in runs[1].steps for k in s.ks}) > 1
 
 
 def test_program_digest_ignores_source_locations():
@@ -421,3 +429,63 @@ def test_program_digest_ignores_source_locations():
     assert text(a) != text(b)  # the raw text carries each lambda's line
     assert computation_text(text(a)) == computation_text(text(b))
     assert computation_text(text(a)) != computation_text(text(c))
+
+
+def test_a_fused_step_is_one_program_call_and_one_transfer(eng, greedy_ref, monkeypatch):
+    """A fused step runs one compiled program and makes one device-to-host transfer, counted at the
+    engine's one fetch point (`Engine._fetch`; no other line of engine.py converts a device array
+    to numpy); it updates the pool in place."""
+    import inspect
+
+    from metrale_jax.engine import engine as engine_module
+
+    source = inspect.getsource(engine_module)
+    assert source.count("np.asarray(") == source.count("np.array(") + 1 == 1, "only _fetch converts"
+    fetched = []
+    fetch = Engine._fetch
+    monkeypatch.setattr(Engine, "_fetch", staticmethod(lambda x: fetched.append(x.shape) or fetch(x)))
+    seqs = [eng.alloc_sequence() for _ in range(3)]
+    try:
+        last = [int(eng.prefill(s, PROMPT).argmax()) for s in seqs]
+        rows = [last[0], *greedy_ref[1:4], last[1], greedy_ref[1], last[2], *greedy_ref[1:3]]
+        eng.speculative_step(seqs, rows, [4, 2, 3], 3)  # compiles
+        calls, fetched[:] = eng.programs.calls, []
+        for _ in range(3):
+            out = eng.speculative_step(seqs, [x for s in seqs for x in (s.tokens[-1], 1, 2)], [3] * 3, 3)
+        assert eng.programs.calls - calls == 3 and fetched == [(4, 1 + 4 + 2 * 3)] * 3
+        assert out.drafts.shape == out.confidences.shape == (3, 3) and out.verify_logits is None
+        eng.decode_batch(seqs, [1, 2, 3])
+        assert len(fetched) == 3 + 2, "a decode fetches its logits and argmaxes"
+        infos = [i for i in eng.programs.info.values() if i.name == "speculative_step"]
+        assert infos and all(i.pool_copies == 0 for i in infos)
+    finally:
+        _free_all(eng, seqs)
+
+
+def test_accept_and_the_fused_step_refuse_misuse(eng, tiny, greedy_ref):
+    seqs = [eng.alloc_sequence() for _ in range(2)]
+    try:
+        for s in seqs:
+            eng.prefill(s, PROMPT)
+        with pytest.raises(EngineError, match="no verify awaiting a verdict"):
+            eng.accept(seqs, [0, 0])
+        eng.verify_batched(seqs, [1, 2, 3, 4, 5], [3, 2])
+        with pytest.raises(EngineError, match="3 accepted drafts of a K=3 verify"):
+            eng.accept(seqs, [3, 0])
+        with pytest.raises(EngineError, match="awaiting its verdict"):
+            eng.speculative_step(seqs, [1, 2], [1, 1], 3)
+        eng.verify_batched(seqs[1:], [1, 2], [2])
+        with pytest.raises(EngineError, match="another verify ran since theirs"):
+            eng.accept(seqs, [0, 0])
+        eng.accept(seqs[1:], [1])
+        eng.rollback_verify(seqs[:1])
+        with pytest.raises(EngineError, match="num_drafts 4 outside 0..3"):
+            eng.speculative_step(seqs, [1, 2], [1, 1], 4)
+    finally:
+        _free_all(eng, seqs)
+    cfg, params = tiny
+    rep = Engine(cfg, params, settings(max_batch_size=2, max_seq_len=64, speculative=True, ssm_rollback_mode="replay"))
+    seq = rep.alloc_sequence()
+    rep.prefill(seq, PROMPT)
+    with pytest.raises(EngineError, match="needs --ssm-rollback-mode snapshot"):
+        rep.speculative_step([seq], [1], [1], 0)

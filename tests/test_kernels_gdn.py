@@ -69,10 +69,11 @@ def test_references_agree(t, initial_state):
 
 
 @pytest.mark.parametrize("t", [64, 100, 130])
+@pytest.mark.parametrize("hk", [1, 2])
 @pytest.mark.parametrize("initial_state", [True, False])
-def test_chunk_bit_identical(t, initial_state):
+def test_chunk_bit_identical(t, hk, initial_state):
     assert api.CHUNK_CONTRACT == "bit-identical"
-    args = _inputs(t + 1, 2, t, 1, 2, initial_state=initial_state, lens=[t, t - 37])
+    args = _inputs(t + hk, 2, t, hk, 2, initial_state=initial_state, lens=[t, t - 37])
     _assert_chunk_matches_reference(args, DV)
 
 

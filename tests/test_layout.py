@@ -1,13 +1,16 @@
-"""The scan layout of repeated layer groups computes what the unrolled list layout computes."""
+"""The two layouts of the layer stack: the scan layout of repeated layer groups computes what the
+list layout (the engine's default) computes."""
 
 import jax
 import numpy as np
+import pytest
 from conftest import settings
 
 from metrale_jax.config import FULL, LINEAR
 from metrale_jax.engine.engine import Engine
+from metrale_jax.errors import MetraleError
 from metrale_jax.model.cache import prefill_and_decode
-from metrale_jax.model.layout import layer_period, stack_layer_groups
+from metrale_jax.model.layout import arrange_layers, layer_period, stack_layer_groups
 from metrale_jax.params import init_params
 from metrale_jax.presets import TINY
 
@@ -33,12 +36,21 @@ def test_stacked_params_have_a_group_axis():
     )
 
 
-def test_engine_scan_layout_matches_list_layout():
+def test_arrange_layers_names_the_layouts():
+    params = init_params(PERIODIC, 0)
+    assert arrange_layers(params, PERIODIC, "list") is params
+    assert "layer_groups" in arrange_layers(params, PERIODIC, "scan")
+    with pytest.raises(MetraleError, match="unknown layout 'stacked' \\(choose from list, scan\\)"):
+        arrange_layers(params, PERIODIC, "stacked")
+
+
+@pytest.mark.parametrize("layout", ["list", "scan"])
+def test_engine_layouts_match_the_cached_forward(layout):
     params = init_params(PERIODIC, 1)
     prompt = [int(x) for x in np.random.default_rng(0).integers(0, 256, size=40)]
     ref, fed = prefill_and_decode(params, PERIODIC, prompt, 6)
-    eng = Engine(PERIODIC, params, settings(max_batch_size=2, max_seq_len=128, max_prefill_tokens=32))
-    assert "layer_groups" in eng.params
+    eng = Engine(PERIODIC, params, settings(max_batch_size=2, max_seq_len=128, max_prefill_tokens=32), layout=layout)
+    assert ("layer_groups" in eng.params) == (layout == "scan")
     seq = eng.alloc_sequence()
     rows = [eng.prefill(seq, prompt)] + [eng.decode(seq, t) for t in fed]
     ref = np.asarray(ref)[len(prompt) - 1 :]

@@ -287,10 +287,9 @@ def test_an_over_budget_plan_still_answers_and_exits_0():
 
 
 def test_warnings_for_settings_that_do_nothing():
-    r = tiny("--", "--enable-prefix-caching", "--ssm-cache-slots", "0", "--block-size", "128", isl="100")
+    r = tiny("--", "--block-size", "128", isl="100")
     assert r.exit_code == 0, r.stderr
     out = r.stdout
-    assert "prefix caching is on but --ssm-cache-slots is 0" in out
     assert "--block-size 128 exceeds the ISL 100" in out
     assert "the serve holds 12 slots for a concurrency of 4" in out
     r = tiny("--", "--ssm-cache-slots", "4", c="12")

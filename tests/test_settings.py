@@ -312,11 +312,14 @@ def test_serve_options_parse_and_pop_only_the_given_flags():
     )
 
 
-def test_presence_only_booleans_have_a_negative_spelling_and_the_last_wins():
-    r = CliRunner().invoke(_probe, ["--speculative", "--no-speculative"])
+def test_presence_only_booleans_have_a_negative_spelling():
+    r = CliRunner().invoke(_probe, ["--no-speculative"])
     assert r.exit_code == 0 and "['speculative'] 8 False" in r.output
-    r = CliRunner().invoke(_probe, ["--enable-prefix-caching", "--disable-prefix-caching"])
+    r = CliRunner().invoke(_probe, ["--disable-prefix-caching"])
     assert r.exit_code == 0
+    # Both spellings at once are a flag given twice: refused (tests/test_hostile_runs.py).
+    r = CliRunner().invoke(_probe, ["--speculative", "--no-speculative"])
+    assert "--speculative given 2 times" in str(r.exception)
 
 
 def test_serve_options_help_lists_every_flag():

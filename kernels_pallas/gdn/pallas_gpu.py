@@ -174,19 +174,20 @@ def _chunk_kernel(
     def step(n, s):
         sl = pl.ds(n * c, c)
         q, k, v, g, beta = q_ref[sl], k_ref[sl], v_ref[sl], g_ref[sl], b_ref[sl]  # [C, d] / [C]
-        k_beta = k * beta[:, None]
-        v_beta = v * beta[:, None]
         gam = jnp.cumsum(g)  # [C]
         decay = jnp.where(tri_incl, jnp.exp(jnp.where(tri_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        a = jnp.where(tri_strict, lax.dot_general(k_beta, k, nt) * decay, 0.0)  # [C, C]
+        kk = lax.dot_general(k, k, nt)  # [C, C]
+        qk = lax.dot_general(q, k, nt)
+        a = jnp.where(tri_strict, kk * beta[:, None] * decay, 0.0)
         tm = _unit_lower_inverse(a, form)
-        u = tm @ v_beta  # [C, bv]
-        w = tm @ (k_beta * jnp.exp(gam)[:, None])  # [C, dk]
-        qk = jnp.where(tri_incl, lax.dot_general(q, k, nt) * decay, 0.0)
+        e_gam = jnp.exp(gam)[:, None]
+        u = tm @ (v * beta[:, None])  # [C, bv]
+        w = tm @ (k * (beta[:, None] * e_gam))  # [C, dk]
         g_last = jnp.sum(jnp.where(last, gam, 0.0))  # gam[-1], exactly
+        k_out = k * jnp.exp(g_last - gam)[:, None]
         v_new = u - w @ s
-        o_ref[sl] = (q * jnp.exp(gam)[:, None]) @ s + qk @ v_new
-        return s * jnp.exp(g_last) + lax.dot_general(k * jnp.exp(g_last - gam)[:, None], v_new, tn)
+        o_ref[sl] = (q * e_gam) @ s + (qk * decay) @ v_new
+        return s * jnp.exp(g_last) + lax.dot_general(k_out, v_new, tn)
 
     hT_ref[...] = lax.fori_loop(0, chunks, step, h0_ref[...])
 

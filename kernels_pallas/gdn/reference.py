@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-CHUNK = 64
+CHUNK = 32
 UNROLL_ROWS = 8  # recurrences of at most this many rows are unrolled
 
 
@@ -54,53 +54,59 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CHUNK):
-    """Chunked (WY) form, as HF's torch_chunk_gated_delta_rule.
+    """Chunked (WY) form, as HF's torch_chunk_gated_delta_rule, one chunk per scan step.
 
     Returns (o [B, T, H, dv] f32, final_state [B, H, dk, dv] f32). T need not be a multiple of
     chunk_size: rows are padded with identity rows (k = v = beta = g = 0).
+
+    NOTE: one scan step per chunk computes that chunk's WY terms, its output and the next state,
+    as one kernel program does, so no [chunks, ...] intermediate goes through memory: the step's
+    terms stay in cache. The chunk's rows are read in the callers' layout and transposed inside
+    the step; the key-side products k k^T and q k^T are computed once per key head, for the r
+    value heads that read it.
     """
     b, t, heads, dv = v.shape
-    dk = q.shape[-1]
-    q = _expand_heads(q, heads)
-    k = _expand_heads(k, heads)
-    pad = (-t) % chunk_size
+    hk, dk = q.shape[2:]
+    r, c = heads // hk, chunk_size
+    pad = (-t) % c
     if pad:
         padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         q, k, v, g, beta = map(padt, (q, k, v, g, beta))
-    n = (t + pad) // chunk_size
-    # [B, H, N, C, d]
-    to_chunks = lambda x: jnp.moveaxis(x, 2, 1).reshape(b, heads, n, chunk_size, *x.shape[3:])
-    q, k, v, g, beta = map(to_chunks, (q, k, v, g, beta))
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
-    gam = jnp.cumsum(g, axis=-1)  # [B,H,N,C]
-    tri_incl = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
-    tri_strict = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
-    decay = jnp.where(tri_incl, jnp.exp(jnp.where(tri_incl, gam[..., :, None] - gam[..., None, :], 0.0)), 0.0)
-    a = jnp.where(tri_strict, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
-    eye = jnp.eye(chunk_size, dtype=jnp.float32)
-    # Tm = (I + A)^{-1}; I + A is unit lower triangular.
-    tm = jax.scipy.linalg.solve_triangular(eye + a, jnp.broadcast_to(eye, a.shape), lower=True, unit_diagonal=True)
-    u = tm @ v_beta  # [B,H,N,C,dv]
-    w = tm @ (k_beta * jnp.exp(gam)[..., None])  # [B,H,N,C,dk]
-    qk = jnp.where(tri_incl, jnp.einsum("...ik,...jk->...ij", q, k) * decay, 0.0)
-    g_last = gam[..., -1]  # [B,H,N]
+    n = (t + pad) // c
+    # [N, B, C, Hk, (r,) ...]: value head h = kh * r + j reads key head kh.
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(b, n, c, hk, *x.shape[3:]), 1, 0)
+    xs = (to_chunks(q), to_chunks(k), *(to_chunks(x.reshape(b, n * c, hk, r, *x.shape[3:])) for x in (v, g, beta)))
+    tri_incl = jnp.tril(jnp.ones((c, c), bool))
+    tri_strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    eye = jnp.eye(c, dtype=jnp.float32)
 
-    def step(s, xs):
-        q_c, k_c, u_c, w_c, qk_c, gam_c, gl_c = xs
-        v_new = u_c - w_c @ s
-        o_c = (q_c * jnp.exp(gam_c)[..., None]) @ s + qk_c @ v_new
+    def step(s, xs):  # s [B, Hk, r, dk, dv]
+        q_c, k_c = (jnp.swapaxes(x, 1, 2) for x in xs[:2])  # [B, Hk, C, dk]
+        v_c, g_c, b_c = (jnp.moveaxis(x, 1, 3) for x in xs[2:])  # [B, Hk, r, C, dv] / [B, Hk, r, C]
+        # NOTE: the barrier materialises the cumulative log-decay: fused into its consumers, XLA
+        # CPU recomputes the cumsum for every element of the [C, C] decay (no arithmetic changes).
+        gam = jax.lax.optimization_barrier(jnp.cumsum(g_c, axis=-1))
+        # NOTE: the inner where keeps exp finite above the diagonal (its gradient is 0, not NaN).
+        decay = jnp.where(tri_incl, jnp.exp(jnp.where(tri_incl, gam[..., :, None] - gam[..., None, :], 0.0)), 0.0)
+        kk = jnp.einsum("...ik,...jk->...ij", k_c, k_c)[:, :, None]  # [B, Hk, 1, C, C]
+        qk = jnp.einsum("...ik,...jk->...ij", q_c, k_c)[:, :, None]
+        a = jnp.where(tri_strict, kk * b_c[..., :, None] * decay, 0.0)
+        # Tm = (I + A)^{-1}; I + A is unit lower triangular.
+        tm = jax.scipy.linalg.solve_triangular(eye + a, jnp.broadcast_to(eye, a.shape), lower=True, unit_diagonal=True)
+        e_gam = jnp.exp(gam)[..., None]
+        k_c, q_c = k_c[:, :, None], q_c[:, :, None]
+        u = tm @ (v_c * b_c[..., None])  # [B, Hk, r, C, dv]
+        w = tm @ (k_c * (b_c[..., None] * e_gam))  # [B, Hk, r, C, dk]
+        g_last = gam[..., -1]  # [B, Hk, r]
+        v_new = u - w @ s
+        o = (q_c * e_gam) @ s + (qk * decay) @ v_new
         # NOTE: the chunk rows are contracted in place ("ck,cv->kv", as the kernel's x.T @ y
         # dot_general): a swapaxes then @ rounds differently from the kernel on jax 0.11.2's XLA
         # CPU for one sequence with dv = 16 (tests/test_kernels_gdn.py, tiny prefill shape).
-        s = s * jnp.exp(gl_c)[..., None, None] + jnp.einsum(
-            "...ck,...cv->...kv", k_c * jnp.exp(gl_c[..., None] - gam_c)[..., None], v_new
-        )
-        return s, o_c
+        k_out = k_c * jnp.exp(g_last[..., None] - gam)[..., None]
+        s = s * jnp.exp(g_last)[..., None, None] + jnp.einsum("...ck,...cv->...kv", k_out, v_new)
+        return s, jnp.moveaxis(o, 3, 1)  # [B, C, Hk, r, dv]
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, u, w, qk, gam, g_last))
-    final, o = jax.lax.scan(step, initial_state, xs)  # o [N,B,H,C,dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(b, heads, n * chunk_size, dv)
-    o = jnp.moveaxis(o, 1, 2)[:, :t]
-    del dk
-    return o, final
+    final, o = jax.lax.scan(step, initial_state.reshape(b, hk, r, dk, dv), xs)  # o [N, B, C, Hk, r, dv]
+    o = jnp.moveaxis(o, 0, 1).reshape(b, n * c, heads, dv)[:, :t]
+    return o, final.reshape(b, heads, dk, dv)

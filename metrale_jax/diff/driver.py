@@ -25,7 +25,7 @@ from metrale_jax.diff.decode import diff_prompts, diff_swap, diff_widths
 from metrale_jax.diff.prefill import diff_prefill
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.request import DiffRequest, DiffRequestError
-from metrale_jax.diff.variants import REFERENCE, Variant, disclosed
+from metrale_jax.diff.variants import REFERENCE, Variant, applicable, disclosed
 from metrale_jax.diff.verify import diff_verify, verify_plan
 
 
@@ -55,10 +55,13 @@ def run_diff(
     progress: Progress = SILENT,
 ) -> dict:
     """Run `request` on `engine`: the reference forward, then each of `variants` replaying it.
-    `unavailable` lists forwards that could not run ({name, reason}), reported as such.
+    `unavailable` lists forwards that could not run ({name, reason}), reported as such, as are
+    the variants this mode does not run (`variants.applicable`).
     Raises DiffRequestError for a request the engine cannot serve; returns the report."""
     request.check()
     request.check_engine(engine)
+    variants, skipped = applicable(engine, request.mode, variants)
+    unavailable = [*unavailable, *skipped]
     if not variants:
         raise DiffRequestError(
             "no forward to compare with the reference"

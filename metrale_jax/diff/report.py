@@ -141,12 +141,13 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
     elif mode in ("verify", "verify-batch"):
         for s in report["verify" if mode == "verify" else "shapes"]:
             hist = " ".join(f"{a}:{n}" for a, n in s["accept_histogram"].items())
+            counts = f"({s['full_accepts']} full, {s['partial_accepts']} partial)"
             out.append(
                 (
                     f"{mode} n={s['rows']} ks={s['ks']}",
                     s["comparisons"],
                     s["detection_control"],
-                    [f"  accepted drafts histogram: {hist} ({s['full_accepts']} full, {s['partial_accepts']} partial)"],
+                    _control(s.get("fused_detection_control")) + [f"  accepted drafts histogram: {hist} {counts}"],
                 )
             )
     elif mode == "prefill":

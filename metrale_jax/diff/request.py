@@ -2,8 +2,9 @@
 
 Owns: `DiffRequest` (the mode and its parameters, as the command's flags give them),
 `DiffRequestError` (a request that cannot run: one clear line, a user error), the checks of a
-request alone (`check`) and against an engine (`check_engine`), and the sizing a command uses
-when the user leaves the context and slot counts to it (`tokens_needed`, `slots_needed`).
+request alone (`check`) and against an engine (`check_engine`), what an engine's verify
+capacity cuts from it (`clamped`), and the sizing a command uses when the user leaves the
+context and slot counts to it (`tokens_needed`, `slots_needed`).
 
 Invariants:
 - Every refusal happens before the first engine call, with one message naming the flag.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from metrale_jax.diff.schedule import slot_of
 from metrale_jax.errors import MetraleError
 
 MODES = ("default", "batch", "verify", "verify-batch", "prefill", "swap")
@@ -141,3 +143,21 @@ class DiffRequest:
         for bad, message in problems:
             if bad:
                 raise DiffRequestError(message)
+
+    def clamped(self, counts) -> list[str]:
+        """One line per asked-for K that some sequence's slot cannot verify (`counts`: the
+        engine's `PoolCounts`): the verify modes run those sequences at their slot's capacity
+        (`schedule.capped`), and the report says so."""
+        flag = "--verify" if self.verify else "--verify-batch-ks"
+        out = []
+        for n in (1,) if self.verify else self.verify_batch:
+            caps = [counts.slot_draft_capacity(slot_of(i, n, self.fragment_slots)) + 1 for i in range(n)]
+            for k in sorted(set(self.ks), reverse=True):
+                short = [i for i, cap in enumerate(caps) if cap < k]
+                if short:
+                    of = "" if self.verify else f" of --verify-batch {n}"
+                    out.append(
+                        f"{flag} {k}: sequence(s) {short}{of} sit on slots that verify at most "
+                        f"K={min(caps[i] for i in short)} (the K ladder and --num-drafts): they ran at their slot's K"
+                    )
+        return out

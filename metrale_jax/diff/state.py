@@ -1,13 +1,14 @@
 """A sequence's device state as comparable parts, digests of it, and the swap control's change.
 
 Owns: `state_parts` (a `save_sequence_state` record as one part per layer and tensor, in model
-layer order, cut to what the sequence owns), `digests`, and `perturbed` (the swap control's
-record, with one live element changed).
+layer order, cut to what the sequence owns), `pool_parts` (every leaf of the engine's whole
+pool), `digests`, and `perturbed` (the swap control's record, with one live element changed).
 
 Invariants:
-- Only live positions are compared: KV rows past `seq_len` (and drafter rows past
+- A record's parts compare only live positions: KV rows past `seq_len` (and drafter rows past
   `drafter_len`) are junk the engine overwrites before reading, as is the null block a
-  null-padded block table gathers.
+  null-padded block table gathers. `pool_parts` compares everything, junk included: it is for
+  two runs of one step from one pool.
 - Part order is model layer order (GDN h then conv; attention K then V), then the MTP head, so
   the first differing part names the first differing layer.
 """
@@ -57,6 +58,16 @@ def state_parts(cfg: ModelConfig, record: SwapRecord) -> list[Part]:
             for t, kv in (("k", dev.draft_k), ("v", dev.draft_v))
         ]
     return parts + [Part("tokens", np.asarray(record.tokens, np.int32), "tokens")]
+
+
+def pool_parts(pool) -> list[Part]:
+    """Every leaf of an `EnginePool` as a `values` part named `pool <leaf path>` (host copies:
+    the engine's next program takes the pool donated)."""
+    leaves = jax.tree_util.tree_flatten_with_path(pool)[0]
+    return [
+        Part("pool " + ".".join(str(getattr(k, "name", k)) for k in path), np.array(leaf), "values")
+        for path, leaf in leaves
+    ]
 
 
 def digests(parts: list[Part]) -> list[dict]:

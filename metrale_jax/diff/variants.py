@@ -1,14 +1,18 @@
 """The forwards a diff compares, what each promises, and the replay of all of them.
 
-Owns: `Variant` (report label, engine forward name, contract), the reference (`xla`),
-`default_variants` (`xla-repeat`, then every other forward the engine
-has, each either available or reported unavailable with the reason), `replay_all` /
-`compare_all` (one replay per variant, judged against the reference run) and `disclosed` (what
-each forward compiled).
+Owns: `Variant` (report label, engine forward name, step path, contract), the reference (`xla`),
+`default_variants` (`xla-repeat`, `fused`, then every other forward the engine has, each either
+available or reported unavailable with the reason), `applicable` (which variants a mode runs),
+`replay_all` / `compare_all` (one replay per variant, judged against the reference run) and
+`disclosed` (what each forward compiled).
 
 Invariants:
 - `xla-repeat` runs the reference's own compiled programs, so it is declared bit-identical:
   any byte it changes is run-to-run nondeterminism.
+- `fused` runs the reference forward's fused speculative step (`Engine.speculative_step`) in
+  lock-step with the composed transitions, each step from one pool (`verify.run_fused`); it is
+  declared bit-identical (the fused program runs the same transitions, fenced from each other by
+  optimization barriers) and runs in the verify modes of a snapshot-rollback engine only.
 - Another forward (`pallas`) is declared bit-identical where its kernels run under the Pallas
   interpreter (CPU: each kernel is byte-equal to its reference twin and the state IO fences
   them, so the whole forward is; tests/test_forward_select.py) and bounded where they are
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
 from metrale_jax.engine.engine import FORWARDS, make_ops
@@ -32,23 +37,35 @@ REFERENCE = "xla"
 OTHER_FORWARD_RTOL = 1e-3
 
 
+#: The label of the fused speculative step's variant.
+FUSED = "fused"
+#: The modes the fused step's variant runs in.
+FUSED_MODES = ("verify", "verify-batch")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """label: the report's name; forward: the name `Engine.set_forward` takes."""
+    """label: the report's name; forward: the name `Engine.set_forward` takes; step: how a verify
+    step runs (`composed`: the reference's transitions one by one, replayed; `fused`: the fused
+    step, in lock-step with the composed transitions)."""
 
     label: str
     forward: str
     contract: Contract = BIT_IDENTICAL
+    step: Literal["composed", "fused"] = "composed"
 
 
 def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant], list[dict]]:
-    """(variants, unavailable): `xla-repeat` and every non-reference engine forward, optionally
-    restricted to the labels in `names`; a forward whose ops cannot be built is reported as
-    {name, reason} instead (e.g. its kernels fail to import)."""
+    """(variants, unavailable): `xla-repeat`, `fused` and every non-reference engine forward,
+    optionally restricted to the labels in `names`; a forward whose ops cannot be built is
+    reported as {name, reason} instead (e.g. its kernels fail to import)."""
     wanted = None if names is None else set(names)
     variants, unavailable = [], []
     for label in known_labels():
         if wanted is not None and label not in wanted:
+            continue
+        if label == FUSED:
+            variants.append(Variant(FUSED, REFERENCE, BIT_IDENTICAL, step="fused"))
             continue
         forward = REFERENCE if label == "xla-repeat" else label
         try:
@@ -67,7 +84,21 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
 
 
 def known_labels() -> list[str]:
-    return ["xla-repeat"] + [f for f in FORWARDS if f != REFERENCE]
+    return ["xla-repeat", FUSED] + [f for f in FORWARDS if f != REFERENCE]
+
+
+def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Variant], list[dict]]:
+    """(the variants `mode` runs on `engine`, {name, reason} of those it cannot run): the fused
+    step's variant runs only in the verify modes, on a snapshot-rollback engine."""
+    runs, skipped = [], []
+    for v in variants:
+        if v.step == "fused" and mode not in FUSED_MODES:
+            skipped.append({"name": v.label, "reason": "the fused speculative step runs in --verify / --verify-batch"})
+        elif v.step == "fused" and engine.replay:
+            skipped.append({"name": v.label, "reason": "the fused speculative step needs snapshot rollback"})
+        else:
+            runs.append(v)
+    return runs, skipped
 
 
 @contextlib.contextmanager
@@ -99,17 +130,18 @@ def compare_all(
 
 
 def disclosed(engine, variants: Sequence[Variant], unavailable: Sequence[dict]) -> list[dict]:
-    """The report's variants: the reference, each variant with its contract and what its
-    forward compiled (plan digest, launches per step, program count, the shapes its kernels
-    refused), then the unavailable."""
+    """The report's variants: the reference, each variant with its step path, its contract and
+    what its forward compiled (plan digest, launches per step, program count, the shapes its
+    kernels refused), then the unavailable."""
     out = []
-    rows = [(REFERENCE, REFERENCE, None)] + [(v.label, v.forward, v.contract) for v in variants]
-    for label, forward, contract in rows:
+    rows = [(REFERENCE, REFERENCE, None, "composed")] + [(v.label, v.forward, v.contract, v.step) for v in variants]
+    for label, forward, contract, step in rows:
         d = engine.disclosure(forward)
         out.append(
             {
                 "name": label,
                 "forward": forward,
+                "step": step,
                 "available": True,
                 "contract": "reference" if contract is None else contract.describe(),
                 "plan_digest": d["plan_digest"],

@@ -1,16 +1,22 @@
 """The verify family: `--verify K,..` (one sequence) and `--verify-batch n,..`.
 
-Owns: `run_verify`, the one run loop of the family (the scheduler's step after every verdict,
-as `speculative_generate` runs it), `verify_plan` (the widths and capped shapes each mode
-runs) and the driver `diff_verify`.
+Owns: `run_verify`, the run loop of the family (the scheduler's composed step after every
+verdict, as `speculative_generate(fused=False)` runs it), `run_fused` (the fused step in
+lock-step with the composed one), `verify_plan` (the widths and capped shapes each mode runs)
+and the driver `diff_verify`.
 
 A step, for n sequences at widths ks (rows flat and seq-major, sequence i's rows
 `[last_i, d_1 .. d_{K_i - 1}]`): `verify_batched` (write-on-accept); each sequence's accepted
-drafts; with the drafter, the accepted rows' hiddens stashed; the GDN fold of the whole batch;
-then per sequence the host rewind of its rejected rows and the commit of rows 0..na; with the
-drafter, the batched propose of `num_drafts` drafts and the trim of every drafter back to the
-committed context. A step's parts: the R = Σ K verify logits rows, then (drafter) the last
-draft position's logits, the drafts and their confidences.
+drafts; `Engine.accept` (with the drafter the accepted rows' hiddens stashed, the GDN fold, the
+host rewind of the rejected rows, the commit of rows 0..na); with the drafter, the batched
+propose of `num_drafts` drafts and the trim of every drafter back to the committed context. A
+step's parts: the R = Σ K verify logits rows, then (drafter) the last draft position's logits,
+the drafts and their confidences.
+
+The `fused` variant's step (`run_fused`): from one copy of the pool and of the host state, the
+composed step above, then `Engine.speculative_step` on the same rows; each side's parts are the
+ones above, then the accepted counts, the emitted tokens, the lengths and every pool leaf (junk
+included), compared byte for byte. The run continues from the fused side.
 
 Invariants:
 - The reference's drafts are each sequence's greedy continuation (plain greedy decoding of the
@@ -18,7 +24,8 @@ Invariants:
   index), so full and partial accepts both occur; every other run replays the reference's
   logged tokens and accept counts and never recomputes them.
 - A shape whose reference saw no full accept or no partial accept fails ("it needs both").
-- The control (reference forward) changes the last draft of sequence n // 2 halfway.
+- The control (reference forward) changes the last draft of sequence n // 2 halfway; the fused
+  variant's control changes it on the fused side of that step only.
 - With the drafter, two identical one-step reference runs go first at each width: the drafter's
   state is a pure function of the steps, so the two must agree; `drafter_warmup` reports
   whether they did (a disagreement reports one run as discarded).
@@ -31,7 +38,10 @@ import functools
 import time
 from collections.abc import Sequence
 
-from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, compare, saw_difference
+import jax
+import numpy as np
+
+from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Part, Run, compare, saw_difference, timing
 from metrale_jax.diff.decode import run_decode
 from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.progress import SILENT, Progress
@@ -47,7 +57,8 @@ from metrale_jax.diff.schedule import (
     slot_of,
     step_drafts,
 )
-from metrale_jax.diff.variants import REFERENCE, Variant, compare_all, replay_all
+from metrale_jax.diff.state import pool_parts
+from metrale_jax.diff.variants import REFERENCE, Variant, selected
 from metrale_jax.engine.speculative import accepted_drafts as accepted
 
 
@@ -104,12 +115,8 @@ def run_verify(
                 if log is not None
                 else [accepted(tokens[off[i] : off[i + 1]], argmax[off[i] : off[i + 1]]) for i in range(n)]
             )
-            if num_drafts:
-                engine.stash_verify_hidden_rows(seqs, [off[i] + na[i] for i in range(n)])
-            engine.gdn_fold_accepted(seqs, [a + 1 for a in na], ks)
-            for i, seq in enumerate(seqs):
-                engine.rewind(seq, ks[i] - 1 - na[i])
-                engine.commit_accepted_prefix(seq, na[i] + 1, ks[i])
+            engine.accept(seqs, na)
+            for i in range(n):
                 if log is not None and s + 1 < len(log):  # a replay feeds the next logged token
                     last[i] = log[s + 1].tokens[off[i]]
                 else:
@@ -131,6 +138,82 @@ def run_verify(
             run.step_ms.append((time.perf_counter() - t0) * 1e3)
             progress.advance()
     return out, run
+
+
+def run_fused(
+    engine,
+    rows: Sequence[Sequence[int]],
+    ks: Sequence[int],
+    log: Sequence[Logged],
+    *,
+    fragment: bool = False,
+    num_drafts: int | None = None,
+    changed: tuple[int, int] | None = None,
+    progress: Progress = SILENT,
+) -> tuple[Run, Run]:
+    """The fused step in lock-step with the composed one over the reference's `log` (see the
+    module docstring): (composed run, fused run). `changed` = (step, flat row): the fused side of
+    that step verifies that row's token bumped by one (the control)."""
+    n, off, nd = len(rows), offsets(ks), num_drafts or 0
+    composed, fused = Run(prefill=[]), Run(prefill=[])
+    with SequenceBatch(engine, n, fragment) as batch:
+        seqs = batch.seqs
+        first = batch.prefill(rows)
+        composed.prefill = fused.prefill = [Part("logits", first, "logits")]
+        progress.advance()
+        for s, logged in enumerate(log):
+            tokens, na = list(logged.tokens), list(logged.accepted)
+            pool = jax.tree_util.tree_map(lambda x: x.copy(), engine.pool)
+            host = [(q.seq_len, list(q.tokens), q.drafter_len, q.last_num_drafted) for q in seqs]
+            t0 = time.perf_counter()
+            logits, argmax = engine.verify_batched(seqs, tokens, ks)
+            engine.accept(seqs, na)
+            emitted = [int(argmax[off[i] + j]) for i in range(n) for j in range(na[i] + 1)]
+            parts = [Part("verify logits", logits, "logits")]
+            if nd:
+                drafts, conf, draft_logits = engine.propose_batched(
+                    seqs, [int(argmax[off[i] + na[i]]) for i in range(n)], nd
+                )
+                for seq in seqs:
+                    engine.trim_proposer(seq, 0)
+                parts += [
+                    Part("propose logits", draft_logits, "logits"),
+                    Part("drafts", drafts, "tokens"),
+                    Part("confidences", conf, "values"),
+                ]
+            composed.step_ms.append((time.perf_counter() - t0) * 1e3)
+            composed.steps.append(parts + _outcome(engine, seqs, na, emitted))
+            engine.pool = pool
+            for q, (seq_len, toks, drafter_len, drafted) in zip(seqs, host):
+                q.seq_len, q.tokens, q.drafter_len, q.last_num_drafted = seq_len, toks, drafter_len, drafted
+            if changed is not None and changed[0] == s:
+                tokens[changed[1]] = (tokens[changed[1]] + 1) % engine.cfg.vocab_size
+            t0 = time.perf_counter()
+            out = engine.speculative_step(seqs, tokens, ks, nd, logits=True)
+            fused.step_ms.append((time.perf_counter() - t0) * 1e3)
+            parts = [Part("verify logits", out.verify_logits, "logits")]
+            if nd:
+                parts += [
+                    Part("propose logits", out.draft_logits, "logits"),
+                    Part("drafts", out.drafts, "tokens"),
+                    Part("confidences", out.confidences, "values"),
+                ]
+            emitted = [t for e in out.emitted for t in e]
+            fused.steps.append(parts + _outcome(engine, seqs, [int(a) for a in out.accepted], emitted))
+            progress.advance()
+    composed.enqueue_ms, fused.enqueue_ms = composed.step_ms, fused.step_ms
+    return composed, fused
+
+
+def _outcome(engine, seqs, accepted: Sequence[int], emitted: Sequence[int]) -> list[Part]:
+    """A lock-step side's verdict, host lengths and whole pool as parts."""
+    lengths = np.asarray([[q.seq_len, q.drafter_len] for q in seqs], np.int32)
+    return [
+        Part("accepted", np.asarray(accepted, np.int32), "tokens"),
+        Part("emitted", np.asarray(emitted, np.int32), "tokens"),
+        Part("seq_len, drafter_len", lengths, "tokens"),
+        *pool_parts(engine.pool),
+    ]
 
 
 def _changed(log: Sequence[Logged], at: int, row: int, vocab: int) -> list[Logged]:
@@ -181,7 +264,8 @@ def diff_verify(
         for j, ks in enumerate(shapes):
             where = f"verify K={ks[0]}" if single else f"verify-batch n={n} ks={ks}"
             probe = mtp and j == 0
-            progress.section(where, (len(variants) + 2) * (steps + 1) + 4 * probe)
+            fused = sum(v.step == "fused" for v in variants)
+            progress.section(where, (len(variants) + 2 + bool(fused)) * (steps + 1) + 4 * probe)
 
             verify = functools.partial(
                 run_verify, engine, rows, ks, fragment=fragment, num_drafts=nd, progress=progress
@@ -192,17 +276,39 @@ def diff_verify(
                 ).ok
                 warmups.append({"rows": n, "first_proposes_equal": equal, "discarded_run": not equal})
             log, ref = verify(steps, greedy=greedy)
-            runs = [run for _, run in replay_all(engine, variants, functools.partial(verify, steps, log=log))]
-            comparisons, timings = compare_all(variants, ref, runs)
             at, row = steps // 2, offsets(ks)[n // 2] + ks[n // 2] - 1
-            changed = _changed(log, at, row, engine.cfg.vocab_size)
-            _, r = verify(steps, log=changed)
+            comparisons: list[Comparison] = []
+            timings, fused_control = [timing(REFERENCE, ref)], None
+            for v in variants:
+                with selected(engine, v.forward):
+                    if v.step == "fused":
+                        lockstep = functools.partial(
+                            run_fused, engine, rows, ks, log, fragment=fragment, num_drafts=nd, progress=progress
+                        )
+                        a, b = lockstep()
+                        comparisons.append(compare(v.label, a, b, v.contract))
+                        timings += [timing(f"{v.label}: its composed side", a), timing(v.label, b)]
+                        if fused_control is None:
+                            a, b = lockstep(changed=(at, row))
+                            fused_control = compare(
+                                f"{v.label}, one draft changed on the fused side (step {at}, row {row})",
+                                a,
+                                b,
+                                BIT_IDENTICAL,
+                            )
+                    else:
+                        _, r = verify(steps, log=log)
+                        comparisons.append(compare(v.label, ref, r, v.contract))
+                        timings.append(timing(v.label, r))
+            _, r = verify(steps, log=_changed(log, at, row, engine.cfg.vocab_size))
             control = compare(f"{REFERENCE}, one draft changed (step {at}, row {row})", ref, r, BIT_IDENTICAL)
             acc = [list(x.accepted) for x in log]
             full, partial = accept_coverage(acc, ks)
             reasons += [failure_line(where, c) for c in comparisons if not c.ok]
             if not saw_difference(control):
                 reasons.append(f"{where}: the detection control saw no difference after changing a draft")
+            if fused_control is not None and not saw_difference(fused_control):
+                reasons.append(f"{where}: the fused step's detection control saw no difference after changing a draft")
             if full == 0 or partial == 0:
                 reasons.append(f"{where}: {full} full and {partial} partial accepts; it needs both")
             section = {
@@ -216,6 +322,8 @@ def diff_verify(
                 "timings": timings,
                 "detection_control": control.to_json(),
             }
+            if fused_control is not None:
+                section["fused_detection_control"] = fused_control.to_json()
             sections.append({"k": ks[0], **section} if single else section)
     fields = (
         {"mtp": mtp, "verify": sections} if single else {"fragment_slots": fragment, "drafter": mtp, "shapes": sections}

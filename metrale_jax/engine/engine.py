@@ -13,13 +13,18 @@ Invariants:
   per sequence, so one program per (transition, width bucket, forward) is compiled; K per
   sequence, slots and lengths are traced.
 - Verify is always write-on-accept: after it, `gdn_fold_accepted` must see every verdict before
-  `commit_accepted_prefix` runs (the order of `speculative.speculative_generate`'s scheduler).
+  `commit_accepted_prefix` runs; `accept` runs the whole verdict in that order (stash, fold,
+  rewind, commit), as `speculative.speculative_generate`'s composed scheduler does.
+- `speculative_step` is one scheduler step (verify, acceptance, verdict, propose) as one compiled
+  program and one device-to-host transfer; it leaves no verify awaiting a verdict.
+- Every device-to-host transfer goes through `_fetch`.
 - Every program input is built by its `engine.inputs` constructor (padding rows included) and
   only its real rows are filled in here; every count and width comes from `capacity`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import get_args
@@ -38,6 +43,7 @@ from metrale_jax.engine.inputs import (
     ProposeBatch,
     ProposeStatic,
     SequenceAddress,
+    SpeculativeStatic,
     StashBatch,
     StepBatch,
     StepStatic,
@@ -47,8 +53,8 @@ from metrale_jax.engine.inputs import (
 from metrale_jax.engine.pool import allocate_pool
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
-from metrale_jax.engine.settings import EngineSettings
-from metrale_jax.model.layout import stack_layer_groups
+from metrale_jax.engine.settings import EngineSettings, unsupported
+from metrale_jax.model.layout import arrange_layers
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
 
@@ -62,21 +68,43 @@ def make_ops(name: str) -> Ops:
     raise EngineError(f"unknown forward {name!r} (choose from {', '.join(FORWARDS)})")
 
 
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """A verify awaiting its verdict, per sequence: the rows verified, the seq_len before them,
+    its first flat row in that verify and which verify it was (the engine's count)."""
+
+    rows: list[int]
+    before: int
+    row0: int
+    serial: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOutput:
+    """A fused speculative step's outcome for its n sequences (host numpy): accepted [n] drafts
+    accepted, emitted (per sequence its accepted + 1 tokens, the verify's argmaxes), drafts [n, nd]
+    int32 and confidences [n, nd] f32 of the next propose (nd = 0: none); with logits asked for,
+    verify_logits [R, V] f32 (R = sum K) and draft_logits [n, V] f32 (nd > 0), else None."""
+
+    accepted: np.ndarray
+    emitted: list[list[int]]
+    drafts: np.ndarray
+    confidences: np.ndarray
+    verify_logits: np.ndarray | None = None
+    draft_logits: np.ndarray | None = None
+
+
 class Engine:
     """Host shell of the engine. See the module docstring for the invariants."""
 
-    def __init__(self, cfg: ModelConfig, params, settings: EngineSettings, *, forward: str = "xla"):
-        unsupported = []
-        if settings.enable_prefix_caching:
-            unsupported.append("--enable-prefix-caching (prefix snapshots are not implemented by this engine)")
-        if settings.ssm_decode_ring_slots:
-            unsupported.append("--ssm-decode-ring-slots > 0 (this engine has no decode-rollback ring)")
-        if settings.speculative and cfg.num_mtp_layers == 0:
-            unsupported.append("--speculative with a checkpoint that has no MTP layer")
-        if unsupported:
-            raise EngineError("not supported: " + "; ".join(unsupported))
+    def __init__(
+        self, cfg: ModelConfig, params, settings: EngineSettings, *, forward: str = "xla", layout: str = "list"
+    ):
+        refused = unsupported(settings, cfg)
+        if refused:
+            raise EngineError("not supported: " + "; ".join(refused))
         self.cfg = cfg
-        self.params = stack_layer_groups(params, cfg)
+        self.params = arrange_layers(params, cfg, layout)
         self.settings = settings
         self.dtype = params["embed"].dtype
         self.counts = pool_counts(settings, cfg)
@@ -91,8 +119,8 @@ class Engine:
         self._next_id = 0
         self._verify_hidden = None  # hidden rows of the last verify (device)
         self.replay = settings.ssm_rollback_mode == "replay"
-        # seq_id -> (rows verified, seq_len before the verify), until its verdict is committed
-        self._verified: dict[int, tuple[list[int], int]] = {}
+        self._verifies = 0  # verifies run (`Verified.serial`)
+        self._verified: dict[int, Verified] = {}  # seq_id -> its verify, until its verdict is committed
         self.draft_width = draft_table_width(settings.max_seq_len)  # MBd, the drafter tables' width
 
     # ------------------------------------------------------------ forward selection
@@ -127,18 +155,36 @@ class Engine:
         self.draft_blocks.free_many(seq.draft_blocks)
         seq.blocks, seq.draft_blocks, seq.freed = [], [], True
 
-    def _reserve(self, seqs: Sequence[SequenceState], upto: Sequence[int]) -> None:
-        """Give each sequence KV blocks (and drafter blocks) for positions < upto[i]; all or none."""
+    def _reserve(self, seqs: Sequence[SequenceState], upto: Sequence[int], held: tuple[int, int] | None = None) -> None:
+        """Give each sequence KV blocks (and drafter blocks) for positions < upto[i]; all or none.
+        `held`: instead, exactly this many (KV, drafter) blocks each (a swap-in restores the count
+        it saved). Refuses (EngineError, nothing changed) a sequence given twice, freed, not
+        allocated by this engine, past --max-seq-len, or more blocks than are free."""
         bs, dbs = self.counts.block_size, self.counts.draft_block_size
-        need = [max(0, math.ceil(u / bs) - len(s.blocks)) for s, u in zip(seqs, upto)]
-        dneed = [max(0, math.ceil(u / dbs) - len(s.draft_blocks)) if self.drafter else 0 for s, u in zip(seqs, upto)]
+        ids = [s.seq_id for s in seqs]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice or len({s.slot for s in seqs}) < len(seqs):
+            raise EngineError(f"sequence(s) {twice or ids} given twice (or sharing a slot) in one batch")
         for s, u in zip(seqs, upto):
             if s.freed:
                 raise EngineError(f"sequence {s.seq_id} was freed")
+            if not (0 <= s.seq_id < self._next_id and 0 <= s.slot < self.counts.real_slots):
+                raise EngineError(f"sequence {s.seq_id} (slot {s.slot}) was not allocated by this engine")
             if u > self.settings.max_seq_len:
                 raise EngineError(
                     f"sequence {s.seq_id} would reach {u} tokens, over --max-seq-len {self.settings.max_seq_len}"
                 )
+        if held is None:
+            need = [max(0, math.ceil(u / bs) - len(s.blocks)) for s, u in zip(seqs, upto)]
+            dneed = [
+                max(0, math.ceil(u / dbs) - len(s.draft_blocks)) if self.drafter else 0 for s, u in zip(seqs, upto)
+            ]
+        else:
+            most = (math.ceil(self.settings.max_seq_len / bs), math.ceil(self.settings.max_seq_len / dbs))
+            if held[0] > most[0] or held[1] > (most[1] if self.drafter else 0):
+                raise EngineError(f"{held} (KV, drafter) blocks per sequence exceed this engine's {most}")
+            need = [max(0, held[0] - len(s.blocks)) for s in seqs]
+            dneed = [max(0, held[1] - len(s.draft_blocks)) for s in seqs]
         if sum(need) > self.blocks.free_count:
             raise EngineError(f"KV blocks exhausted: {sum(need)} needed, {self.blocks.free_count} free")
         if sum(dneed) > self.draft_blocks.free_count:
@@ -175,22 +221,27 @@ class Engine:
             seq.seq_len += len(part)
             seq.tokens += part
         seq.drafter_len = seq.seq_len - 1
-        return np.asarray(logits[0])
+        return self._fetch(logits)[0]
+
+    @staticmethod
+    def _fetch(x: jax.Array) -> np.ndarray:
+        """The engine's one device-to-host transfer point: `x` as numpy."""
+        return np.asarray(x)
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise EngineError(f"token(s) {bad[:5]} outside the vocabulary 0..{self.cfg.vocab_size - 1}")
 
-    def _rows(
+    def _step_batch(
         self,
         seqs: Sequence[SequenceState],
         tokens_per_seq: Sequence[Sequence[int]],
         verify: bool,
         starts: Sequence[int] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Run `step_rows` for seqs with ragged rows at positions starts[i].. (default: their
-        lengths, which then grow by the rows); returns (logits [R, V], argmax [R]) numpy."""
+    ) -> tuple[StepBatch, int]:
+        """The `StepBatch` of seqs' ragged rows at positions starts[i].. (default: their lengths),
+        flat rows compacted seq-major; returns (batch, R = the real rows)."""
         n = len(seqs)
         if n == 0:
             raise EngineError("a step over zero sequences")
@@ -208,6 +259,18 @@ class Engine:
             batch.row_index[r : r + len(rows)] = i * t + np.arange(len(rows))
             self._set_tables(batch.block_tables, batch.draft_tables, i, s)
             r += len(rows)
+        return batch, r
+
+    def _rows(
+        self,
+        seqs: Sequence[SequenceState],
+        tokens_per_seq: Sequence[Sequence[int]],
+        verify: bool,
+        starts: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Run `step_rows` for seqs with ragged rows at positions starts[i].. (default: their
+        lengths, which then grow by the rows); returns (logits [R, V], argmax [R]) numpy."""
+        batch, r = self._step_batch(seqs, tokens_per_seq, verify, starts)
         static = StepStatic(self.cfg, self.counts, self.ops, verify=verify, drafter=self.drafter)
         logits, argmax, hidden, self.pool = self.programs.run(
             "step_rows", tr.step_rows, static, self.pool, self.params, batch
@@ -218,7 +281,7 @@ class Engine:
             for s, rows in zip(seqs, tokens_per_seq):
                 s.seq_len += len(rows)
                 s.tokens += [int(x) for x in rows]
-        return np.asarray(logits)[:r], np.asarray(argmax)[:r]
+        return self._fetch(logits)[:r], self._fetch(argmax)[:r]
 
     def decode_batch(self, seqs: Sequence[SequenceState], tokens: Sequence[int]) -> np.ndarray:
         """One token per sequence. Returns logits [n, V] f32."""
@@ -263,8 +326,99 @@ class Engine:
         rows = [[int(t) for t in tokens[off[i] : off[i + 1]]] for i in range(len(seqs))]
         before = [s.seq_len for s in seqs]
         out = self._rows(seqs, rows, verify=True)
-        self._verified.update({s.seq_id: (r, b) for s, r, b in zip(seqs, rows, before)})
+        self._verifies += 1
+        self._verified.update(
+            {s.seq_id: Verified(r, b, int(o), self._verifies) for s, r, b, o in zip(seqs, rows, before, off)}
+        )
         return out
+
+    def accept(self, seqs: Sequence[SequenceState], accepted: Sequence[int]) -> None:
+        """The verdict of seqs' last `verify_batched`: accepted[i] of sequence i's drafts (its
+        leading drafts the verify's argmax agreed with) are kept. In order: with the drafter, the
+        accepted rows' hiddens stashed (the seqs must all come from the engine's last verify);
+        the GDN fold; the host rewind of the rejected rows; the commit of rows 0..accepted[i]."""
+        missing = [s.seq_id for s in seqs if s.seq_id not in self._verified]
+        if missing:
+            raise EngineError(f"sequence(s) {missing} have no verify awaiting a verdict")
+        if len(accepted) != len(seqs):
+            raise EngineError(f"{len(accepted)} verdicts for {len(seqs)} sequences")
+        verified = [self._verified[s.seq_id] for s in seqs]
+        for s, v, a in zip(seqs, verified, accepted):
+            if not 0 <= a < len(v.rows):
+                raise EngineError(f"sequence {s.seq_id}: {a} accepted drafts of a K={len(v.rows)} verify")
+        if self.drafter:
+            stale = [s.seq_id for s, v in zip(seqs, verified) if v.serial != self._verifies]
+            if stale:
+                raise EngineError(
+                    f"sequence(s) {stale}: another verify ran since theirs (accept before verifying again)"
+                )
+            self.stash_verify_hidden_rows(seqs, [v.row0 + a for v, a in zip(verified, accepted)])
+        rows, ks = [a + 1 for a in accepted], [len(v.rows) for v in verified]
+        self.gdn_fold_accepted(seqs, rows, ks)
+        for s, r, k in zip(seqs, rows, ks):
+            self.rewind(s, k - r)
+        self.commit_accepted_prefixes(seqs, rows, ks)
+        for s in seqs:
+            s.drafter_len = s.seq_len - 1
+
+    def speculative_step(
+        self,
+        seqs: Sequence[SequenceState],
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        num_drafts: int,
+        *,
+        logits: bool = False,
+    ) -> SpeculativeOutput:
+        """One scheduler step as one program (`transitions.speculative_step`): the write-on-accept
+        verify of `tokens` (flat seq-major rows, sequence i's `[last_i, d_1 .. d_{K_i - 1}]`),
+        greedy acceptance on the device, the verdict, and a propose of `num_drafts` drafts (0:
+        none) from each committed context. One compiled-program call and one device-to-host
+        transfer (`logits`: the verify's and the propose's logits too, two more). Each sequence
+        gains its accepted drafts + 1 tokens, as `verify_batched` then `accept` leave it (a
+        propose then trims back to the committed context). KV and drafter blocks are reserved up
+        front for seq_len + K_i + num_drafts + 1 positions. Snapshot rollback only (replay
+        rollback runs the composed step)."""
+        if self.replay:
+            raise EngineError("the fused speculative step needs --ssm-rollback-mode snapshot")
+        reason = self.can_batch_verify(seqs, ks)
+        if reason:
+            raise EngineError(reason)
+        if not 0 <= num_drafts <= (self.settings.num_drafts if self.drafter else 0):
+            raise EngineError(f"num_drafts {num_drafts} outside 0..{self.settings.num_drafts if self.drafter else 0}")
+        if len(tokens) != sum(ks):
+            raise EngineError(f"{len(tokens)} tokens for ks summing to {sum(ks)}")
+        pending = [s.seq_id for s in seqs if s.seq_id in self._verified]
+        if pending:
+            raise EngineError(f"sequence(s) {pending} have a verify awaiting its verdict (Engine.accept)")
+        self._check_tokens(tokens)
+        self._reserve(seqs, [s.seq_len + k + num_drafts + 1 for s, k in zip(seqs, ks)])
+        off = np.concatenate([[0], np.cumsum(ks)])
+        rows = [[int(t) for t in tokens[off[i] : off[i + 1]]] for i in range(len(seqs))]
+        batch, r = self._step_batch(seqs, rows, verify=True)
+        static = SpeculativeStatic(
+            self.cfg, self.counts, self.ops, drafter=self.drafter, num_drafts=num_drafts, logits=logits
+        )
+        packed, extras, self.pool = self.programs.run(
+            "speculative_step", tr.speculative_step, static, self.pool, self.params, batch
+        )
+        n, t = len(seqs), self.counts.k
+        out = self._fetch(packed)[:n]
+        accepted = out[:, 0]
+        for s, row, a in zip(seqs, rows, accepted.tolist()):
+            s.seq_len += a + 1
+            s.tokens += row[: a + 1]
+            s.drafter_len = s.seq_len if num_drafts else s.seq_len - 1
+            s.last_num_drafted = 0
+        fetched = [self._fetch(x) for x in extras]
+        return SpeculativeOutput(
+            accepted=accepted,
+            emitted=[g[: a + 1] for g, a in zip(out[:, 1 : 1 + t].tolist(), accepted.tolist())],
+            drafts=out[:, 1 + t : 1 + t + num_drafts],
+            confidences=np.ascontiguousarray(out[:, 1 + t + num_drafts :]).view(np.float32),
+            verify_logits=fetched[0][:r] if fetched else None,
+            draft_logits=fetched[1][:n] if len(fetched) > 1 else None,
+        )
 
     def _verdicts(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> VerdictBatch:
         """The `VerdictBatch` of `seqs`' verdicts (rows kept of ks verified)."""
@@ -299,8 +453,7 @@ class Engine:
             raise EngineError(f"sequence(s) {missing} have no verify to roll back")
         self._restore(seqs, [True] * len(seqs))
         for s in seqs:
-            rows, before = self._verified.pop(s.seq_id)
-            self.rewind(s, s.seq_len - before)
+            self.rewind(s, s.seq_len - self._verified.pop(s.seq_id).before)
 
     def commit_accepted_prefixes(self, seqs: Sequence[SequenceState], rows: Sequence[int], ks: Sequence[int]) -> None:
         """Roll each sequence's conv window back to its last accepted row (rows < K); under
@@ -309,7 +462,9 @@ class Engine:
         self._check_rows(seqs, rows, ks)
         verified = [self._verified.pop(s.seq_id, None) for s in seqs]
         if self.replay:
-            redo = [(s, v[0][:r], v[1]) for s, v, r, k in zip(seqs, verified, rows, ks) if v is not None and r < k]
+            redo = [
+                (s, v.rows[:r], v.before) for s, v, r, k in zip(seqs, verified, rows, ks) if v is not None and r < k
+            ]
             if redo:
                 self._rows([x[0] for x in redo], [x[1] for x in redo], verify=True, starts=[x[2] for x in redo])
             return
@@ -368,7 +523,7 @@ class Engine:
         for s in seqs:
             s.last_num_drafted = num_drafts
             s.drafter_len = s.seq_len + num_drafts - 1
-        return np.asarray(drafts)[:n], np.asarray(conf)[:n], np.asarray(logits)[:n]
+        return self._fetch(drafts)[:n], self._fetch(conf)[:n], self._fetch(logits)[:n]
 
     def trim_proposer(self, seq: SequenceState, keep: int = 0) -> None:
         """Forget the drafter rows a propose chained past the committed context, keeping `keep`.
@@ -390,7 +545,7 @@ class Engine:
         """Swap-out record: numpy copies of everything the sequence owns on device, plus host facts."""
         arrays, self.pool = self.programs.run("read_state", tr.read_sequence_state, None, self.pool, self._address(seq))
         return SwapRecord(
-            device=jax.tree_util.tree_map(np.asarray, arrays),
+            device=jax.tree_util.tree_map(self._fetch, arrays),
             seq_len=seq.seq_len,
             tokens=tuple(seq.tokens),
             blocks=len(seq.blocks),
@@ -400,12 +555,9 @@ class Engine:
 
     def restore_sequence_state(self, seq: SequenceState, record: SwapRecord) -> None:
         """Swap-in `record` into a freshly allocated sequence (its own slot and new blocks)."""
-        if seq.seq_len or seq.blocks:
+        if seq.seq_len or seq.blocks or seq.draft_blocks:
             raise EngineError("restore needs a freshly allocated sequence")
-        self._reserve([seq], [record.blocks * self.counts.block_size])
-        extra = record.draft_blocks - len(seq.draft_blocks)
-        if extra > 0:
-            seq.draft_blocks += self.draft_blocks.alloc_many(extra)
+        self._reserve([seq], [record.seq_len], held=(record.blocks, record.draft_blocks))
         dev = jax.tree_util.tree_map(jnp.asarray, record.device)
         self.pool = self.programs.run("write_state", tr.write_sequence_state, None, self.pool, dev, self._address(seq))
         seq.seq_len, seq.tokens, seq.drafter_len = record.seq_len, list(record.tokens), record.drafter_len

@@ -2,8 +2,9 @@
 
 Owns: one `flax.struct.PyTreeNode` per program input kind (`PrefillChunk`, `StepBatch`,
 `ProposeBatch`, `VerdictBatch`, `StashBatch`, `SequenceAddress`), the frozen static part of the
-programs that run the model (`PrefillStatic`, `StepStatic`, `ProposeStatic`), the swap-out
-record (`SwapArrays` on device, `SwapRecord` with the host facts), and `abstract`.
+programs that run the model (`PrefillStatic`, `StepStatic`, `ProposeStatic`, `SpeculativeStatic`:
+the fused speculative step takes a verify's `StepBatch`), the swap-out record (`SwapArrays` on
+device, `SwapRecord` with the host facts), and `abstract`.
 
 Each input's `padded(counts, ...)` is its only constructor: the input at its program's shapes with
 every row a padding row. The `Engine` fills its real rows in (host numpy, in place) and calls the
@@ -88,6 +89,31 @@ class ProposeStatic(ModelStatic):
     """`transitions.propose`'s static part: the number of chained drafts."""
 
     num_drafts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeStatic(ModelStatic):
+    """`transitions.speculative_step`'s static part: drafter (stash the accepted rows' hiddens and
+    write the drafter's KV, as `StepStatic.drafter`), num_drafts (the chained drafts of the step's
+    propose; 0: no propose) and logits (also return the verify's and the propose's logits)."""
+
+    drafter: bool
+    num_drafts: int
+    logits: bool = False
+
+    def __post_init__(self):
+        if self.num_drafts and not self.drafter:
+            raise ValueError("a speculative step proposes only with the MTP drafter")
+
+    @property
+    def step(self) -> StepStatic:
+        """The verify's static part (write-on-accept)."""
+        return StepStatic(self.cfg, self.counts, self.ops, verify=True, drafter=self.drafter)
+
+    @property
+    def propose(self) -> ProposeStatic:
+        """The propose's static part."""
+        return ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=self.num_drafts)
 
 
 # ---------------------------------------------------------------- the model's programs

@@ -1,10 +1,11 @@
 """Compiled step programs: each transition compiled once per (static config, shape bucket).
 
 Owns: `ProgramCache` — ahead-of-time compilation of the engine's transitions with the pool
-donated, the count of compilations (the zero-recompile tests read it), and the disclosure of
-what a forward compiled: a digest of each program's optimized HLO (its computation, without the
-source locations XLA records), its kernel launches and its copies of whole pool leaves (which an
-in-place step must not make).
+donated, the count of compilations (the zero-recompile tests read it) and the seconds they took,
+and the disclosure of what a forward compiled: a digest of each program's optimized HLO (its
+computation, without the source locations XLA records), its kernel launches, its copies of whole
+pool leaves and its materialisations of a layer's weights (neither of which a step that updates
+the pool in place and reads its weights in place makes).
 
 Invariants:
 - A cached program is reused only for the same static part and arguments of identical tree
@@ -19,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,12 +69,14 @@ def computation_text(hlo_text: str) -> str:
 class ProgramInfo:
     """name; digest of the optimized HLO's `computation_text`; launches (top-level device ops); pool_copies: copies
     of a whole pool leaf (a donated array of more than one element), which an in-place step must
-    not make."""
+    not make; param_copies: materialisations of a layer's weights (`count_param_copies`), which a
+    step that reads its weights in place does not make."""
 
     name: str
     digest: str
     launches: int
     pool_copies: int
+    param_copies: int
 
 
 def _signature(args: tuple) -> tuple:
@@ -99,6 +104,140 @@ def count_pool_copies(hlo_text: str, pool) -> int:
     return sum(t in types for t in _COPY_RE.findall(entry))
 
 
+# A computation's header line ("ENTRY %main.3 (...) -> ... {", "%body.1 (...) -> ... {").
+_COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+# An instruction's name and what follows its "=": "  ROOT %x.1 = f32[2]{0} add(%a, %b), metadata=...".
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE_RE = re.compile(r"\s*([\w\-]+)\(([^)]*)\)(.*)$")
+_NAME_RE = re.compile(r"%([\w.\-]+)")
+_DIMS_RE = re.compile(r"^\w+\[([\d,]*)\]")
+_INDEX_RE = re.compile(r"index=(\d+)")
+_WEIGHT_RE = re.compile(r"%([\w.\-]+) = \S+ parameter\(\d+\).*?op_name=\"(params[^\"]*)\"")
+# Ops that materialise (part of) an operand in a new buffer; a fusion of these, of the ops below
+# and of index arithmetic (integer or predicate results) is a data movement. Not `gather`: it
+# looks rows up (embedding rows by token), which a long prefill's rows may outnumber.
+_MATERIALISING = frozenset({"copy", "transpose", "slice", "dynamic-slice"})
+_MOVEMENT = _MATERIALISING | {"parameter", "bitcast", "reshape", "broadcast", "concatenate", "constant", "iota", "pad"}
+_INDEX_TYPE_RE = re.compile(r"^(?:s\d+|u\d+|pred)\[")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    name: str
+    type: str
+    op: str
+    operands: tuple[str, ...]  # operand names; a parameter's number
+    attrs: str
+
+
+def _type_end(text: str) -> int:
+    """The length of the result type that `text` starts with: an array type ("f32[2,3]{1,0}") or
+    a parenthesised tuple type, which holds spaces, commas and comments."""
+    if not text.startswith("("):
+        return len(text.split(" ", 1)[0])
+    depth = 0
+    for n, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return n + 1
+    return len(text)
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    m = _INSTR_RE.match(line)
+    if m is None:
+        return None
+    rest = m.group(2)
+    end = _type_end(rest)
+    op = _OPCODE_RE.match(rest[end:])
+    if op is None:
+        return None
+    args = op.group(2)
+    operands = tuple(_NAME_RE.findall(args)) if op.group(1) != "parameter" else (args.strip(),)
+    return _Instr(m.group(1), rest[:end], op.group(1), operands, op.group(3))
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
+    """{computation name: its instructions} of an optimized HLO module's text, and the entry's name."""
+    comps: dict[str, list[_Instr]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        if current is None:
+            if m := _COMPUTATION_RE.match(line):
+                current = comps.setdefault(m.group(2), [])
+                entry = m.group(2) if m.group(1) else entry
+        elif line.strip() == "}":
+            current = None
+        elif (instr := _parse_instr(line)) is not None:
+            current.append(instr)
+    return comps, entry
+
+
+def _dims(typ: str) -> list[int]:
+    m = _DIMS_RE.match(typ)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _called(attrs: str, key: str) -> list[str]:
+    """The computations an instruction names under `key` (`calls=%f`, `branch_computations={%a, %b}`)."""
+    m = re.search(key + r"=(\{[^}]*\}|%[\w.\-]+)", attrs)
+    return _NAME_RE.findall(m.group(1)) if m else []
+
+
+def count_param_copies(hlo_text: str) -> int:
+    """Ops of an optimized HLO module that materialise at least one layer's worth of a weight: a
+    copy, transpose, slice or dynamic-slice, or a fusion of nothing but data movement and index
+    arithmetic, in the entry computation, its loop bodies and branches, with a weight as an
+    operand and a result of at least one layer's worth of that weight's elements.
+
+    A weight is an entry parameter whose name starts with `params` (as `jax.jit` names the leaves
+    of the argument `params`), followed through bitcasts, tuples, loops and branches. One layer's
+    worth is the whole leaf, or one group's slice of a leaf stacked over the layer groups
+    (`layer_groups`, the scan layout). Smaller slices (one expert of an [E, ...] leaf, embedding
+    rows) are what a step reads, not a copy of the layer.
+    """
+    comps, entry = _computations(hlo_text)
+    weights = dict(_WEIGHT_RE.findall(hlo_text))
+    movement = {c: all(i.op in _MOVEMENT or _INDEX_TYPE_RE.match(i.type) for i in body) for c, body in comps.items()}
+    count = 0
+
+    def walk(comp: str, args: list) -> None:
+        """args: per parameter of `comp`, the layer elements of the weight it is (a list per tuple index; None)."""
+        nonlocal count
+        unit: dict[str, Any] = {}
+        for i in comps.get(comp, []):
+            first = unit.get(i.operands[0]) if i.operands else None
+            if i.op == "parameter":
+                if comp == entry and i.name in weights:
+                    dims = _dims(i.type)
+                    unit[i.name] = math.prod(dims[1:] if "layer_groups" in weights[i.name] else dims)
+                elif comp != entry and int(i.operands[0]) < len(args):
+                    unit[i.name] = args[int(i.operands[0])]
+            elif i.op == "bitcast":
+                unit[i.name] = first
+            elif i.op == "tuple":
+                unit[i.name] = [unit.get(o) for o in i.operands]
+            elif i.op == "get-tuple-element" and isinstance(first, list) and (m := _INDEX_RE.search(i.attrs)):
+                unit[i.name] = first[int(m.group(1))]
+            elif i.op == "while":
+                for c in _called(i.attrs, "condition") + _called(i.attrs, "body"):
+                    walk(c, [first])
+                unit[i.name] = first
+            elif i.op == "conditional":
+                for n, c in enumerate(_called(i.attrs, "branch_computations")):
+                    walk(c, [unit.get(i.operands[1 + n])] if n + 1 < len(i.operands) else [])
+            elif i.op == "call":
+                for c in _called(i.attrs, "to_apply"):
+                    walk(c, [unit.get(o) for o in i.operands])
+            fused = _called(i.attrs, "calls") if i.op == "fusion" else []
+            if i.op in _MATERIALISING or (fused and all(movement.get(c, False) for c in fused)):
+                size = math.prod(_dims(i.type)) if _DIMS_RE.match(i.type) else 0
+                count += any(isinstance(u, int) and size >= u for u in (unit.get(o) for o in i.operands))
+
+    walk(entry, [])
+    return count
+
+
 def compile_transition(fn: Callable, static: ModelStatic | None, args: tuple) -> Any:
     """`fn(*args, static=static)` (`fn(*args)` when static is None) compiled ahead of time for
     `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated."""
@@ -114,13 +253,17 @@ class ProgramCache:
     def __init__(self) -> None:
         self._programs: dict[tuple, Any] = {}
         self.compilations = 0
+        self.compile_seconds = 0.0  # spent compiling, over every compilation
+        self.calls = 0  # programs run (each `run`)
         self.info: dict[tuple, ProgramInfo] = {}
 
     def run(self, name: str, fn: Callable, static: ModelStatic | None, *args):
         key = (name, static, _signature(args))
         prog = self._programs.get(key)
         if prog is None:
+            t0 = time.perf_counter()
             prog = compile_transition(fn, static, args)
+            self.compile_seconds += time.perf_counter() - t0
             self.compilations += 1
             text = prog.as_text()
             self.info[key] = ProgramInfo(
@@ -128,8 +271,10 @@ class ProgramCache:
                 hashlib.sha256(computation_text(text).encode()).hexdigest()[:16],
                 count_launches(text),
                 count_pool_copies(text, args[0]),
+                count_param_copies(text),
             )
             self._programs[key] = prog
+        self.calls += 1
         return prog(*args)
 
     def disclosure(self, forward: str) -> dict:

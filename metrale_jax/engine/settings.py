@@ -4,8 +4,9 @@ Owns: `SERVE_FLAGS` (every serve flag: name, default, value type, help; the CLI 
 options in `metrale_jax_cli.serve_flags`), `Behavior` (a model's MODEL.toml `[behavior]`
 defaults, as values; `metrale_jax_cli.model_toml` reads the file), K-ladder text
 (`parse_k_ladder`, `format_k_ladder`), `resolve_settings` (flag -> MODEL.toml -> engine default,
-with every violation collected) and `EngineSettings` (the frozen, hashable result the engine is
-built from; static under `jax.jit`).
+with every violation collected), `EngineSettings` (the frozen, hashable result the engine is
+built from; static under `jax.jit`) and `unsupported` (the valid settings this engine does not
+implement for a model: the one list both the `Engine` and the memory planner refuse by).
 
 Invariants:
 - Pure: no Click, no TOML, no I/O; importing this module loads nothing above the engine.
@@ -23,6 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import (
     AUTO_MAX_SLOTS,
     DECODE_ROLLBACK_RING_SLOTS,
@@ -316,3 +318,16 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
     )
     fields = {("k_ladder" if k == "mtp_k_ladder" else k): val for k, val in eff.items()}
     return EngineSettings(**fields, provenance=provenance)
+
+
+def unsupported(settings: EngineSettings, cfg: ModelConfig) -> list[str]:
+    """The settings this engine cannot serve `cfg` with, one line each (empty: it can). The
+    `Engine` refuses to start on any of them and the planner refuses to plan them."""
+    out = []
+    if settings.enable_prefix_caching:
+        out.append("--enable-prefix-caching (prefix snapshots are not implemented by this engine)")
+    if settings.ssm_decode_ring_slots:
+        out.append("--ssm-decode-ring-slots > 0 (this engine has no decode-rollback ring)")
+    if settings.speculative and cfg.num_mtp_layers == 0:
+        out.append("--speculative with a checkpoint that has no MTP layer")
+    return out

@@ -1,9 +1,11 @@
 """The engine's state transitions: pure functions `(pool, params, input, *, static) -> (outputs, pool)`.
 
 Owns: prefill (one chunk of one sequence), decode / batched verify rows (write-on-accept), the GDN
-fold of accepted rows, the conv commit, the hidden stash, the MTP drafter's batched propose, and
-swap-out/swap-in of a sequence's state. The engine (`engine.py`) compiles each once per shape
-bucket and donates the pool (the first argument); nothing here syncs with the host.
+fold of accepted rows, the conv commit, the hidden stash, the MTP drafter's batched propose, the
+fused speculative step (all of a scheduler step in one program: verify, greedy acceptance, stash,
+fold, commit, propose) and swap-out/swap-in of a sequence's state. The engine (`engine.py`)
+compiles each once per shape bucket and donates the pool (the first argument); nothing here syncs
+with the host.
 
 Inputs are the typed records of `engine.inputs` (shapes stated there); their addressing arrays
 are int32 and traced (never static), so slot indices, lengths and K per sequence change without
@@ -26,6 +28,7 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kernels_pallas.reductions import first_argmax
 from metrale_jax.config import ModelConfig
@@ -278,6 +281,78 @@ def propose(
     assert logits is not None
     pool = pool.replace(draft_k=state.kv_k, draft_v=state.kv_v)
     return jnp.stack(drafts, 1), jnp.stack(confs, 1), logits, pool
+
+
+def _grid(flat: jax.Array, lens: jax.Array, t: int) -> jax.Array:
+    """A verify's flat rows [R_b, ...] (compacted seq-major, as `StepBatch.row_index` gathers them)
+    as a grid [B, T, ...]: row t of sequence b is flat[lens[:b].sum() + t]; rows t >= lens[b] are
+    junk (another sequence's row or the last one)."""
+    off = jnp.cumsum(lens) - lens
+    idx = jnp.minimum(off[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], flat.shape[0] - 1)
+    return flat[idx]
+
+
+def greedy_accepts(tokens: jax.Array, argmax: jax.Array, lens: jax.Array) -> jax.Array:
+    """Greedy acceptance on the device: per sequence, how many leading drafts tokens[b, 1:lens[b]]
+    equal the argmax of the row before them. tokens, argmax [B, T] int32 (rows [last, drafts..]
+    and their argmaxes), lens [B]. Returns [B] int32 in 0..max(lens - 1, 0)."""
+    t = tokens.shape[1]
+    agree = (argmax[:, :-1] == tokens[:, 1:]) & (jnp.arange(1, t, dtype=jnp.int32)[None, :] < lens[:, None])
+    return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+
+
+def speculative_step(
+    pool: EnginePool, params, batch: inputs.StepBatch, *, static: inputs.SpeculativeStatic
+) -> tuple[jax.Array, tuple[jax.Array, ...], EnginePool]:
+    """One scheduler step of B sequences in one program (snapshot rollback): the write-on-accept
+    verify of `batch` (a verify's `StepBatch`, row_index the seq-major compaction the engine
+    builds), greedy acceptance, then the verdict (the accepted row's hidden stashed with the
+    drafter, the GDN fold, the conv commit) and, with `static.num_drafts` = nd > 0, the next
+    propose from the committed context (last = the argmax of the accepted row, at position
+    seq_len + na + 1). The transitions are the composed path's own functions on the same values
+    (padding sequences get the padded inputs of each), so the pool and every output are those of
+    `step_rows`, `stash_hidden_rows`, `gdn_fold_accepted`, `commit_conv` and `propose` run one
+    after the other.
+
+    Donated: pool. Returns (packed, extras, pool): packed [B, 1 + T + 2 nd] int32, per sequence
+    [na, the T row argmaxes (the emitted tokens are the first na + 1), nd drafts, nd confidences
+    (f32 bits)], the one array the host fetches; extras = (verify logits [R_b, V] f32, then the
+    propose's last-draft logits [B, V] f32 when nd > 0) with `static.logits`, else ().
+    """
+    logits, argmax, hidden, pool = step_rows(pool, params, batch, static=static.step)
+    b, t = batch.tokens.shape
+    lens, valid = batch.lens, batch.lens > 0
+    grid = _grid(argmax, lens, t)
+    na = greedy_accepts(batch.tokens, grid, lens)
+    # NOTE: a barrier between the phases keeps XLA from fusing one program's ops into another's,
+    # which could round differently from the composed programs.
+    pool, hidden, grid, na = lax.optimization_barrier((pool, hidden, grid, na))
+    if static.drafter:
+        off = jnp.cumsum(lens) - lens
+        pool = stash_hidden_rows(pool, hidden, inputs.StashBatch(rows=jnp.where(valid, off + na, 0), slots=batch.slots))
+    verdicts = inputs.VerdictBatch(
+        slots=batch.slots,
+        vslots=batch.vslot,
+        rows=jnp.where(valid, na + 1, 1),
+        ks=jnp.where(valid, lens, 1),
+        vrow_base=batch.vrow_base,
+        restore=jnp.zeros((b,), bool),
+    )
+    pool = commit_conv(gdn_fold_accepted(pool, verdicts), verdicts)
+    parts, extras = [na[:, None], grid], [logits]
+    if static.num_drafts:
+        pool, grid, na = lax.optimization_barrier((pool, grid, na))
+        nxt = inputs.ProposeBatch(
+            last=jnp.where(valid, jnp.take_along_axis(grid, na[:, None], axis=1)[:, 0], 0),
+            seq_lens=jnp.where(valid, batch.seq_lens + na + 1, 1),
+            slots=batch.slots,
+            draft_tables=batch.draft_tables,
+            valid=valid,
+        )
+        drafts, confs, draft_logits, pool = propose(pool, params, nxt, static=static.propose)
+        parts += [drafts, lax.bitcast_convert_type(confs, jnp.int32)]
+        extras.append(draft_logits)
+    return jnp.concatenate(parts, axis=1), tuple(extras) if static.logits else (), pool
 
 
 def read_sequence_state(pool: EnginePool, at: inputs.SequenceAddress) -> tuple[inputs.SwapArrays, EnginePool]:

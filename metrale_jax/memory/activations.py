@@ -37,12 +37,14 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from fractions import Fraction
@@ -69,7 +71,7 @@ from metrale_jax.engine.inputs import (
 from metrale_jax.engine.pool import allocate_pool
 from metrale_jax.engine.programs import compile_transition
 from metrale_jax.engine.settings import EngineSettings
-from metrale_jax.model.layout import stack_layer_groups
+from metrale_jax.model.layout import arrange_layers
 from metrale_jax.params import init_params
 
 #: The environment variable naming the cache directory (default `$XDG_CACHE_HOME` or
@@ -293,10 +295,10 @@ class ActivationModel:
 
     @property
     def params(self):
-        """The Engine's parameter tree (scan layout), abstract."""
+        """The Engine's parameter tree (its default layout, `list`), abstract."""
         if self._params is None:
             cfg, dtype = self.config, self.dtype
-            self._params = jax.eval_shape(lambda: stack_layer_groups(init_params(cfg, 0, dtype), cfg))
+            self._params = jax.eval_shape(lambda: arrange_layers(init_params(cfg, 0, dtype), cfg, "list"))
         return self._params
 
     def programs_at(self, settings: EngineSettings, counts: PoolCounts) -> tuple[StepProgram, ...]:
@@ -323,20 +325,51 @@ class ActivationModel:
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
+    #: Why the disk cache could not be written this run (None: it could, or was not needed).
+    cache_warning: str | None = None
+
     def _read(self, key: str) -> dict | None:
+        """The cached entry `key`, or None when absent, unreadable, malformed (not an object of
+        non-negative byte counts with alias <= output) or foreign (another backend, device kind
+        or JAX version): such an entry is recompiled and rewritten."""
         try:
-            return json.loads((self.cache_dir / f"{key}.json").read_text())
-        except (OSError, ValueError):
+            entry = json.loads((self.cache_dir / f"{key}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
             return None
+        counts = ("temp_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+        if not isinstance(entry, dict) or not all(
+            isinstance(entry.get(k), int) and not isinstance(entry[k], bool) and entry[k] >= 0 for k in counts
+        ):
+            return None
+        mine = {"backend": self.backend, "device_kind": self.device_kind, "jax": jax.__version__}
+        if (
+            any(entry.get(k) != v for k, v in mine.items())
+            or entry["alias_size_in_bytes"] > entry["output_size_in_bytes"]
+        ):
+            return None
+        return entry
 
     def _write(self, key: str, entry: dict) -> None:
+        """Store `entry` under `key`: written to a temporary file of its own, then renamed over
+        the entry (concurrent writers never interleave, an interrupt leaves no partial entry).
+        An unwritable cache directory is no cache: `cache_warning` says why."""
+        tmp = None
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache_dir / f".{key}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(entry, indent=1))
+            fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=f".{key}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(entry, indent=1))
             os.replace(tmp, self.cache_dir / f"{key}.json")
-        except OSError:
-            pass  # an unwritable cache costs a recompile next time, nothing else
+            tmp = None
+        except OSError as e:
+            self.cache_warning = (
+                f"the activation cache {self.cache_dir} is not writable ({e.strerror or type(e).__name__}): "
+                "the analyses compiled now are not kept"
+            )
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def _analyse(self, p: StepProgram) -> ProgramMemory:
         key = self._key(p)

@@ -15,7 +15,7 @@ import dataclasses
 
 from metrale_jax.engine.capacity import ladder_drafts
 from metrale_jax.engine.settings import RULE_FLAG, EngineSettings
-from metrale_jax.memory.devices import MIB
+from metrale_jax.memory.devices import mib
 from metrale_jax.memory.plan import Evaluation, Planner, Workload, growth
 
 
@@ -25,11 +25,6 @@ class Answer:
 
     value: int | None
     note: str
-
-
-def mib(n: int) -> str:
-    """Bytes as MiB with one decimal."""
-    return f"{n / MIB:.1f} MiB"
 
 
 def _binding_note(before: Evaluation, after: Evaluation, step: str) -> str:
@@ -77,12 +72,7 @@ def warnings_for(planner: Planner, ev: Evaluation) -> tuple[str, ...]:
     """Settings that silently do nothing (or less than asked) for `ev`'s workload."""
     s, c, w = ev.settings, ev.counts, ev.workload
     out = []
-    if s.enable_prefix_caching and c.snapshot_slots == 0:
-        out.append(
-            "prefix caching is on but --ssm-cache-slots is 0: no recurrent-state "
-            "snapshot is kept, so no prefix of this hybrid model can be reused"
-        )
-    if not s.enable_prefix_caching and s.ssm_cache_slots > 0 and _explicit(s, "--ssm-cache-slots"):
+    if s.ssm_cache_slots > 0 and _explicit(s, "--ssm-cache-slots"):  # prefix caching is refused (`Planner`)
         out.append(
             f"--ssm-cache-slots {s.ssm_cache_slots} does nothing without "
             "--enable-prefix-caching (no snapshot slots are allocated)"

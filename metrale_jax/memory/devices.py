@@ -1,7 +1,9 @@
 """Accelerators the memory planner can plan for, and the budget a serve gets on one.
 
-Owns: the device table (memory as the driver reports it, per device) and the budget law:
-`budget = floor(memory × gpu_memory_utilization)` and the runtime reserve charged inside it.
+Owns: the device table (memory as the driver reports it, per device), the budget law:
+`budget = floor(memory × gpu_memory_utilization)` and the runtime reserve charged inside it, and
+`local_memory`: what the device this process computes on can still hold (for the up-front size
+checks of the commands that allocate).
 
 Invariants:
 - `memory_bytes` is the total the CUDA driver reports (nvidia-smi's MiB × 2^20; the GB10's
@@ -12,7 +14,10 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+
+import jax
 
 from metrale_jax.memory.errors import PlanError
 
@@ -84,3 +89,23 @@ def util_budget(device: Device, util: float) -> int:
 def runtime_reserve(budget: int) -> int:
     """The runtime's own share of `budget`: `RUNTIME_FIXED_BYTES + budget // 1000 × 21`."""
     return RUNTIME_FIXED_BYTES + budget // 1000 * RUNTIME_BUDGET_PER_MILLE
+
+
+def mib(n: int) -> str:
+    """Bytes as MiB with one decimal."""
+    return f"{n / MIB:.1f} MiB"
+
+
+def local_memory() -> tuple[int, str]:
+    """(bytes jax's default device can still allocate, what that device is): an accelerator's
+    `bytes_limit − bytes_in_use`; the CPU backend's host memory available (`MemAvailable`)."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{dev.device_kind} ({dev.platform})"
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024, "the host (cpu)"
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the host (cpu)"

@@ -1,8 +1,10 @@
 """The memory model: one workload point → every charged term, the verdict, and the inverse queries.
 
 Owns: `Planner` (settings + model + device, evaluated at any (concurrency, ISL, OSL)), the
-refusals (more sequences than slots, longer than `max_seq_len`), `largest_fitting` (bisection)
-and the two inverse queries (largest concurrency, longest ISL).
+refusals (settings the engine does not implement, more sequences than slots, longer than
+`max_seq_len`), `largest_fitting` (bisection), the two inverse queries (largest concurrency,
+longest ISL), and `require_room`: the up-front check of a command about to allocate (an engine's
+pools, a cache) against what the local device can still hold.
 
 Invariants:
 - No byte count is computed here: pool bytes are the shapes and dtypes `allocate_pool` builds
@@ -14,6 +16,8 @@ Invariants:
   from its family's compiled anchor (`ActivationModel.at(exact=False)`).
 - `device_total = weights + pools + activations + runtime reserve` (activations 0 when skipped);
   fits iff `budget − device_total ≥ 0`.
+- A planner is never built for settings `engine.settings.unsupported` lists (the engine's own
+  refusal), so it never says "fits" for a serve the engine would not start.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ import jax
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import pool
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS, PoolCounts, pool_counts
-from metrale_jax.engine.settings import EngineSettings
+from metrale_jax.engine.settings import EngineSettings, unsupported
 from metrale_jax.memory.activations import ActivationModel, Activations
-from metrale_jax.memory.devices import Device, runtime_reserve, util_budget
+from metrale_jax.memory.devices import Device, local_memory, mib, runtime_reserve, util_budget
 from metrale_jax.memory.errors import PlanError
 
 
@@ -60,6 +64,10 @@ class Workload:
 
 class Refused(PlanError):
     """A workload the serve cannot run at all (not a memory verdict)."""
+
+
+class TooLarge(PlanError):
+    """A request whose allocations would not fit the local device (said before allocating)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +190,11 @@ class Planner:
     pools: Callable[[ModelConfig, PoolCounts, EngineSettings, Any], tuple[Term, ...]] = pool_terms
     activations: ActivationModel | None = None
 
+    def __post_init__(self):
+        refused = unsupported(self.settings, self.config)
+        if refused:
+            raise Refused("the engine would refuse this serve, not supported: " + "; ".join(refused))
+
     @property
     def slots_follow_concurrency(self) -> bool:
         """True when each workload gets as many slots as it has sequences."""
@@ -252,3 +265,27 @@ class Planner:
         """The longest prompt that fits at `concurrency` sequences and `osl` output tokens."""
         hi = max(self.settings.max_seq_len - osl, 1)
         return largest_fitting(1, hi, lambda isl: self.fits(Workload(concurrency, isl, osl)))
+
+
+def allocation_terms(group: str, allocate: Callable[[], Any]) -> tuple[Term, ...]:
+    """The buffers `allocate()` creates, traced with `jax.eval_shape` (nothing is allocated),
+    one term each in `group`, named by their path in its result."""
+    shapes = jax.eval_shape(allocate)
+    return tuple(Term(name, group, size, dt, shape) for name, shape, dt, size in pool.pool_buffers(shapes))
+
+
+def serve_pools(config: ModelConfig, settings: EngineSettings, dtype: Any) -> tuple[Term, ...]:
+    """The pool terms of an `Engine(config, params, settings)` as it allocates them (the
+    planner's own `pool_terms` at the serve's full `pool_counts`)."""
+    return pool_terms(config, pool_counts(settings, config), settings, dtype)
+
+
+def require_room(what: str, terms: tuple[Term, ...], hint: str) -> None:
+    """Raise TooLarge when `terms` (the allocations `what` is about to make) exceed what the
+    local device can still hold, naming the total, the largest terms, the room and `hint`."""
+    need = sum(t.bytes for t in terms)
+    room, where = local_memory()
+    if need <= room:
+        return
+    top = ", ".join(f"{t.name} {mib(t.bytes)}" for t in sorted(terms, key=lambda t: -t.bytes)[:3])
+    raise TooLarge(f"{what} needs {mib(need)} ({top}) but {where} has {mib(room)} free: {hint}")

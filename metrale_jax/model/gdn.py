@@ -43,11 +43,16 @@ def causal_conv(mixed, window, w, lens):
     chex.assert_shape(window, (b_, c, kc))
     chex.assert_shape(lens, (b_,))
     ext = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(mixed.dtype), mixed], axis=1)  # [B, Kc+T, C]
-    taps = jnp.stack([ext[:, 1 + i : 1 + i + t] for i in range(kc)], axis=-1)  # [B, T, C, Kc]
-    y = jax.nn.silu(ordered_sum(taps * w.astype(mixed.dtype), axis=-1))
+    shifted = [ext[:, 1 + i : 1 + i + t] for i in range(kc)]  # Kc x [B, T, C]: tap i's input per row
+    wd = w.astype(mixed.dtype)
+    # NOTE: the taps are summed as [B, T, C] terms, index 0 first (`ordered_sum` over a leading
+    # axis), not over the minor axis of the stacked [B, T, C, Kc] windows, which does not
+    # vectorise on CPU; the same adds in the same order. Only the row form (decode, verify) reads
+    # the windows, so the chunk form never builds them.
+    y = jax.nn.silu(ordered_sum(jnp.stack([x * wd[:, i] for i, x in enumerate(shifted)]), axis=0))
     idx = lens[:, None] + jnp.arange(kc)[None, :]  # [B, Kc]: rows lens..lens+Kc-1 of ext
     final = jnp.swapaxes(jnp.take_along_axis(ext, idx[:, :, None], axis=1), 1, 2)
-    return y, taps, final.astype(window.dtype)
+    return y, jnp.stack(shifted, axis=-1), final.astype(window.dtype)
 
 
 def split_qkv(y, cfg: ModelConfig):

@@ -1,19 +1,38 @@
-"""The scan layout of the layer stack: repeated layer groups stacked so the trunk compiles one
-group body and loops over it, instead of unrolling every layer.
+"""The two layouts of the layer stack's parameters, and the layer groups of the scan layout.
 
-Owns: `layer_period` (the repeating pattern of (mixer kind, MoE or dense) in a config) and
-`stack_layer_groups` (params with `layers` -> `layer_groups`, each leaf stacked over groups).
-Invariant: `trunk` computes the same layers in the same order with either layout; compile time
-of the stacked layout does not grow with the number of groups (a 48-layer Qwen3-Next compiles
-one 4-layer body).
+Owns: `Layout` (`list`: `layers`, one parameter tree per layer, the default; `scan`:
+`layer_groups`, the repeated groups stacked so the trunk compiles one group body and loops over
+it), `layer_period` (the repeating pattern of (mixer kind, MoE or dense) in a config),
+`stack_layer_groups` and `arrange_layers` (params in a named layout).
+
+Invariants:
+- `trunk` computes the same layers in the same order with either layout.
+- list: every layer's weights are arguments of the program, each read in place by the products
+  that use it (no program copies a layer's weights: `ProgramInfo.param_copies` is 0).
+- scan: compile time does not grow with the number of groups (a 48-layer Qwen3-Next compiles
+  one 4-layer body), but each step materialises every group's weights: the body reads group g's
+  slice of each stacked leaf, and on XLA CPU the operand of a product must be a buffer of its
+  own, so that slice (a dynamic-slice in the loop, a slice when XLA unrolls a short loop) is
+  copied out at every step (`ProgramInfo.param_copies` counts them). Hence list is the default
+  and scan an option for deep stacks where compile time matters more.
 """
 
 from __future__ import annotations
+
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
 from metrale_jax.config import ModelConfig
+from metrale_jax.errors import MetraleError
+
+Layout = Literal["list", "scan"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+
+
+class LayoutError(MetraleError, ValueError):
+    """A layout name that is not one of `LAYOUTS`."""
 
 
 def _signature(cfg: ModelConfig, i: int):
@@ -44,3 +63,11 @@ def stack_layer_groups(params: dict, cfg: ModelConfig) -> dict:
     out = {k: v for k, v in params.items() if k != "layers"}
     out["layer_groups"] = stacked
     return out
+
+
+def arrange_layers(params: dict, cfg: ModelConfig, layout: str) -> dict:
+    """List-layout `params` in `layout`: unchanged for `list`, `stack_layer_groups` for `scan`.
+    Raises LayoutError for another name."""
+    if layout not in LAYOUTS:
+        raise LayoutError(f"unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})")
+    return stack_layer_groups(params, cfg) if layout == "scan" else params

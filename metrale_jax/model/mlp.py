@@ -1,11 +1,28 @@
 """Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block with a gated shared expert.
 
-Invariants: the router softmax is float32, top-k weights are renormalised when the config says so
-(always for Qwen3.5-MoE) and cast back to the activation dtype; the block output is
-routed + sigmoid(shared gate) * shared, with no routed scaling factor.
+Owns: `moe_form` (which of the MoE's three forms a step of a given row count runs) and the three
+forms of the routed experts.
+
+Invariants:
+- The router softmax is float32; top-k weights are renormalised when the config says so (always
+  for Qwen3.5-MoE) and cast back to the activation dtype; the block output is
+  routed + sigmoid(shared gate) * shared, with no routed scaling factor.
+- Every form sums a row's selected experts in expert-index order, each expert's output times its
+  routing weight, in the activation dtype: transformers' eager loop, (0 + w_a y_a) + w_b y_b for
+  experts a < b. The forms differ only inside the matrix products.
+- A row's output is a function of that row alone: no form lets one row's values (a padding row's
+  NaN included) reach another row's output.
+- The form is a function of the static shape, so one program always runs one form.
+- No form materialises a layer's expert weights: `dense` and `grouped` contract the whole
+  [E, ...] leaves in place (batched over experts); `pairs` copies out the one selected expert
+  each loop step runs (on XLA CPU a product's operand is a buffer of its own, so a slice that
+  feeds one is materialised): rows x top_k experts per step, one at a time.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +31,18 @@ from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import linear, linear_parts
 from metrale_jax.params import dense_in_rows, moe_in_rows
+
+MoeForm = Literal["dense", "pairs", "grouped"]
+
+# `dense` whenever every expert on every row is at most this many multiply-adds (small models, where a
+# step's few fused products cost less than the other forms' loops, sorts and scatters).
+DENSE_MAX_MACS = 1 << 21
+# `grouped` when the experts get at least this many (row, expert) pairs each on average.
+GROUPED_MIN_PAIRS_PER_EXPERT = 8
+# `dense` only up to this many experts (it sums all of them in a chain per row).
+DENSE_MAX_EXPERTS = 64
+# `grouped`'s rows per expert and round: the average plus this many of its binomial standard deviations.
+GROUPED_CAPACITY_SIGMAS = 3
 
 
 def swiglu(gate, up, down):
@@ -27,27 +56,112 @@ def dense_mlp(p, x, cfg: ModelConfig):
     return swiglu(gate, up, p["down"])
 
 
-# The most activation elements (rows x experts x (2I + Hd)) for which `moe` runs every expert in
-# one batched contraction instead of a scan over experts: decode/verify steps of small models.
-DENSE_EXPERTS_MAX_ELEMENTS = 1 << 20
+def moe_form(rows: int, cfg: ModelConfig) -> MoeForm:
+    """The form `moe` runs for a step of `rows` rows:
+    - `dense` when every expert on every row is at most `DENSE_MAX_MACS` multiply-adds: every
+      expert on every row, weighted by the row's routing weight (0 when not selected), reading
+      each weight once (cost grows with E, not top_k);
+    - `pairs` when rows x top_k <= E (the step cannot touch more experts than there are): one
+      (row, slot) pair at a time, reading only the selected experts (cost and traffic grow with
+      rows x top_k);
+    - `grouped` when the experts get `GROUPED_MIN_PAIRS_PER_EXPERT` pairs each on average, or
+      there are more than `DENSE_MAX_EXPERTS`: rows sorted by expert and run as matmuls batched
+      over the experts, `grouped_capacity` rows per expert and round (cost grows with the
+      most-loaded expert's rows);
+    - `dense` otherwise.
+    """
+    e, pairs = cfg.num_experts, rows * cfg.num_experts_per_tok
+    if rows * e * 3 * cfg.moe_intermediate_size * cfg.hidden_size <= DENSE_MAX_MACS:
+        return "dense"
+    if pairs <= e:
+        return "pairs"
+    if pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * e or e > DENSE_MAX_EXPERTS:
+        return "grouped"
+    return "dense"
+
+
+def grouped_capacity(rows: int, cfg: ModelConfig) -> int:
+    """Rows per expert in one round of the `grouped` form: the average load m plus
+    GROUPED_CAPACITY_SIGMAS x sqrt(m) (uniform routing loads an expert ~ binomially), in multiples
+    of 8, so a balanced step takes one round."""
+    mean = rows * cfg.num_experts_per_tok / cfg.num_experts
+    return 8 * math.ceil((mean + GROUPED_CAPACITY_SIGMAS * math.sqrt(mean)) / 8)
+
+
+def _act(gu, inter: int):
+    return jax.nn.silu(gu[..., :inter]) * gu[..., inter:]
+
+
+def _dense(x, top_i, top_w, gate_up, down, inter: int):
+    """Every expert on every row. x [R, Hd]; top_i, top_w [R, k] -> [R, Hd].
+    NOTE: gate_up as one [E*2I, Hd] projection and down batched over experts: an einsum over
+    (expert, intermediate) at once makes XLA CPU copy `down` into another layout at every step."""
+    e, hd = gate_up.shape[0], x.shape[-1]
+    combine = ordered_sum(jax.nn.one_hot(top_i, e, dtype=x.dtype) * top_w[..., None], axis=-2)  # [R, E]
+    act = _act(linear(x, gate_up.reshape(-1, hd)).reshape(x.shape[0], e, 2 * inter), inter)  # [R, E, I]
+    y = jnp.einsum("ehi,rei->erh", down, act)  # [E, R, Hd]
+    return ordered_sum(y * combine.T[..., None], axis=0)
+
+
+def _pairs(x, top_i, top_w, gate_up, down, inter: int):
+    """One (row, slot) pair per loop step, slots in expert order: each step slices out the one
+    expert it runs (the scratch holds one expert's weights). x [R, Hd] -> [R, Hd]."""
+    k = top_i.shape[-1]
+
+    def pair(p, acc):
+        r, s = p // k, p % k
+        e = top_i[r, s]
+        xr = jax.lax.dynamic_index_in_dim(x, r, keepdims=False)
+        gu = linear(xr, jax.lax.dynamic_index_in_dim(gate_up, e, keepdims=False))
+        y = linear(_act(gu, inter), jax.lax.dynamic_index_in_dim(down, e, keepdims=False))
+        return acc.at[r].add(y * top_w[r, s])
+
+    return jax.lax.fori_loop(0, top_i.size, pair, jnp.zeros_like(x))
+
+
+def _grouped(x, top_i, top_w, gate_up, down, inter: int, capacity: int):
+    """Rows grouped by expert. x [R, Hd] -> [R, Hd].
+
+    The (row, slot) pairs are sorted by expert; round j runs rows j*C .. (j+1)*C - 1 of every
+    expert's group (C = `capacity`) as one matmul batched over the experts, reading the whole
+    weight leaves in place, and stores each output at its pair. The rounds continue while an
+    expert has rows left (one round when the load is within C of every expert, E x C rows of
+    work each), then each row sums its pairs in slot (= expert) order.
+    NOTE: not `jax.lax.ragged_dot`: XLA CPU lowers it to one masked dense matmul over every
+    expert (E times the work, and a transposed copy of the weights).
+    """
+    e_count, hd = gate_up.shape[0], x.shape[-1]
+    n, k = top_i.shape
+    experts = top_i.reshape(-1)
+    order = jnp.argsort(experts, stable=True).astype(jnp.int32)  # pair ids by expert
+    counts = jnp.zeros(e_count, jnp.int32).at[experts].add(1)
+    starts = jnp.cumsum(counts) - counts
+    lane = jnp.arange(capacity, dtype=jnp.int32)
+
+    def round_(carry):
+        j, out = carry
+        rank = j * capacity + lane  # [C]
+        valid = rank[None, :] < counts[:, None]  # [E, C]
+        pair = order[jnp.where(valid, starts[:, None] + rank[None, :], 0)]
+        xs = jnp.where(valid[..., None], x[pair // k], 0)  # [E, C, Hd]
+        gu = jnp.einsum("ech,eoh->eco", xs, gate_up)
+        y = jnp.einsum("eci,ehi->ech", _act(gu, inter), down)
+        out = out.at[jnp.where(valid, pair, n * k).reshape(-1)].set(y.reshape(-1, hd), mode="drop")
+        return j + 1, out
+
+    # NOTE: the rounds write every pair exactly once, so the loop's output buffer starts as any
+    # array computed here, not as zeros: XLA gives a loop state that starts as a constant an
+    # allocation of its own, which no other layer's loop then reuses.
+    init = jnp.broadcast_to(x[:, None, :], (n, k, hd)).reshape(n * k, hd)
+    most = jnp.max(counts)
+    _, out = jax.lax.while_loop(lambda c: c[0] * capacity < most, round_, (jnp.int32(0), init))
+    return ordered_sum(out.reshape(n, k, hd) * top_w[..., None], axis=-2)
 
 
 def moe(p, x, cfg: ModelConfig):
     """Sparse MoE block. x: [..., Hd]. p: w_in [E + 2Is + 1, Hd] (router, shared-expert gate and
     up, shared-expert gate scalar), gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I],
-    shared_down [Hd, Is].
-
-    Every expert runs on every row, weighted by the row's routing weight (0 when not selected),
-    in one of two forms chosen by shape (so one program always takes the same one):
-    - small (`DENSE_EXPERTS_MAX_ELEMENTS`): all experts in two batched contractions, the routing
-      weights folded into the down projection (one sum over experts x intermediate);
-    - otherwise a scan over experts, accumulating in expert-index order in the activation dtype
-      as transformers' eager loop does, holding one expert's activations at a time, so the
-      compiled program's memory is what a real MoE step needs.
-    NOTE: the batched form exists because a scan of E tiny matmuls is E loop iterations of
-    launch overhead, which dominates a small step on XLA CPU. It costs
-    E/top_k more FLOPs than a grouped matmul, as the scan does.
-    """
+    shared_down [Hd, Is]. The routed experts run in the form `moe_form` picks for the row count."""
     logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg))
     logits32 = logits.astype(jnp.float32)
     e = jnp.exp(logits32 - jnp.max(logits32, axis=-1, keepdims=True))
@@ -55,29 +169,21 @@ def moe(p, x, cfg: ModelConfig):
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / pairwise_sum(top_w)[..., None]
-    top_w = top_w.astype(x.dtype)
-    combine = ordered_sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=x.dtype) * top_w[..., None], axis=-2)  # [..., E]
-    inter = cfg.moe_intermediate_size
-    rows = x.size // x.shape[-1]
-    if rows * cfg.num_experts * (2 * inter + x.shape[-1]) <= DENSE_EXPERTS_MAX_ELEMENTS:
-        # NOTE: as one [E*2I, Hd] projection: the einsum over [E, 2I, Hd] made XLA CPU copy the
-        # weight into another layout at every step.
-        gu = linear(x, p["gate_up"].reshape(-1, x.shape[-1])).reshape(
-            *x.shape[:-1], cfg.num_experts, 2 * inter
-        )  # [..., E, 2I]
-        act = jax.nn.silu(gu[..., :inter]) * gu[..., inter:] * combine[..., None]  # [..., E, I]
-        routed = jnp.einsum("...ei,ehi->...h", act, p["down"])  # [..., Hd]
+    hd = x.shape[-1]
+    rows = x.size // hd
+    form = moe_form(rows, cfg)
+    top_i, top_w = top_i.reshape(rows, -1), top_w.astype(x.dtype).reshape(rows, -1)
+    if form != "dense":  # the slots in expert order, the order `dense` sums the experts in
+        top_i, top_w = jax.lax.sort((top_i, top_w), num_keys=1)
+    args = (x.reshape(rows, hd), top_i, top_w, p["gate_up"], p["down"], cfg.moe_intermediate_size)
+    if form == "pairs":
+        routed = _pairs(*args)
+    elif form == "grouped":
+        routed = _grouped(*args, grouped_capacity(rows, cfg))
     else:
-
-        def expert(acc, xs):
-            gate_up, down, w = xs  # [2I, Hd], [Hd, I], [...]
-            gu = linear(x, gate_up)
-            out = linear(jax.nn.silu(gu[..., :inter]) * gu[..., inter:], down)
-            return acc + out * w[..., None], None
-
-        routed, _ = jax.lax.scan(expert, jnp.zeros_like(x), (p["gate_up"], p["down"], jnp.moveaxis(combine, -1, 0)))
+        routed = _dense(*args)
     shared = swiglu(shared_gate, shared_up, p["shared_down"]) * jax.nn.sigmoid(shared_scale)
-    return routed + shared
+    return routed.reshape(x.shape) + shared
 
 
 def ffn(p, x, cfg: ModelConfig):

@@ -1,0 +1,102 @@
+"""The sparse MoE block: its three forms against transformers' eager expert loop (float64), each
+other and themselves, the form each shape takes, and row isolation (NaN rows included)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.models import config
+from metrale_jax.model import mlp
+from metrale_jax.params import init_params, moe_in_rows
+from metrale_jax.presets import TINY
+
+FORMS = ("dense", "pairs", "grouped")
+# TINY's MoE (8 experts, top-2) at a width where the products are not trivially exact.
+CFG = TINY.replace(num_hidden_layers=1, layer_types=TINY.layer_types[:1], mlp_only_layers=(), num_mtp_layers=0)
+
+
+@pytest.fixture(scope="module")
+def p():
+    return init_params(CFG, 3)["layers"][0]["mlp"]
+
+
+def _moe(p, x, form):
+    """`mlp.moe` with its form forced (traced here: the form is read at trace time)."""
+    real = mlp.moe_form
+    mlp.moe_form = lambda rows, cfg: form
+    try:
+        return np.asarray(jax.jit(lambda p, x: mlp.moe(p, x, CFG))(p, x))
+    finally:
+        mlp.moe_form = real
+
+
+def _hf_loop(p, x):
+    """transformers' eager Qwen3-Next MoE in float64: per row, the top-k of the router softmax
+    (renormalised), experts summed in index order, plus the sigmoid-gated shared expert."""
+    w = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = np.asarray(x, np.float64).reshape(-1, CFG.hidden_size)
+    router, sg, su, ss = np.split(x @ w["w_in"].T, np.cumsum(moe_in_rows(CFG))[:-1], axis=-1)
+    probs = np.exp(router - router.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    inter = CFG.moe_intermediate_size
+    out = np.zeros_like(x)
+    for r in range(len(x)):
+        top = np.argsort(-probs[r], kind="stable")[: CFG.num_experts_per_tok]
+        weights = probs[r, top] / probs[r, top].sum()
+        for e, wt in sorted(zip(top, weights)):
+            gu = w["gate_up"][e] @ x[r]
+            out[r] += wt * (w["down"][e] @ (gu[:inter] / (1 + np.exp(-gu[:inter])) * gu[inter:]))
+    silu = sg / (1 + np.exp(-sg))
+    return out + (silu * su) @ w["shared_down"].T / (1 + np.exp(-ss))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_every_form_is_the_eager_expert_loop(p, form, rows):
+    x = jax.random.normal(jax.random.key(rows), (1, rows, CFG.hidden_size), jnp.float32)
+    ref = _hf_loop(p, x).reshape(x.shape)
+    got = _moe(p, x, form)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_grouped_takes_more_rounds_when_the_load_is_skewed(p):
+    """Every row routed to the same two experts: those experts get every row, many times the
+    capacity of one round; the rounds continue until each has run."""
+    x = jnp.tile(jax.random.normal(jax.random.key(0), (1, 1, CFG.hidden_size)), (1, 64, 1))
+    x = x + 1e-3 * jax.random.normal(jax.random.key(1), x.shape)
+    assert 64 > mlp.grouped_capacity(64, CFG)
+    ref = _moe(p, x, "dense")
+    np.testing.assert_allclose(_moe(p, x, "grouped"), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_rows_are_isolated_nan_included(p, form):
+    """A row's output bytes do not depend on the other rows: rows in another order come out in
+    that order, and NaN in other rows changes nothing."""
+    x = jax.random.normal(jax.random.key(5), (1, 16, CFG.hidden_size), jnp.float32)
+    ref = _moe(p, x, form)
+    perm = np.random.default_rng(0).permutation(16)
+    np.testing.assert_array_equal(_moe(p, x[:, perm], form), ref[:, perm])
+    dirty = x.at[:, 1::2].set(jnp.nan)
+    got = _moe(p, dirty, form)
+    np.testing.assert_array_equal(got[:, ::2], ref[:, ::2])
+    assert np.isnan(got[:, 1::2]).all()
+
+
+def test_form_follows_the_row_count():
+    """At qwen3-next-h512's widths: pairs while rows x top_k <= E, grouped from
+    GROUPED_MIN_PAIRS_PER_EXPERT pairs per expert (or with more than DENSE_MAX_EXPERTS experts),
+    dense in between; dense whenever every expert on every row is small (the tiny preset's decode
+    and verify steps). The grouped capacity covers the average load."""
+    wide = config("qwen3-next-h512")
+    e, k = wide.num_experts, wide.num_experts_per_tok
+    first_grouped = mlp.GROUPED_MIN_PAIRS_PER_EXPERT * e // k
+    rows = (1, e // k, e // k + 1, first_grouped - 1, first_grouped)
+    assert [mlp.moe_form(r, wide) for r in rows] == ["pairs", "pairs", "dense", "dense", "grouped"]
+    many = wide.replace(num_experts=4 * mlp.DENSE_MAX_EXPERTS)
+    assert [mlp.moe_form(r, many) for r in (many.num_experts // k, many.num_experts // k + 1)] == ["pairs", "grouped"]
+    per_row = CFG.num_experts * 3 * CFG.moe_intermediate_size * CFG.hidden_size
+    small = mlp.DENSE_MAX_MACS // per_row
+    assert [mlp.moe_form(r, CFG) for r in (1, small, small + 1)] == ["dense", "dense", "grouped"]
+    assert mlp.grouped_capacity(1024, wide) % 8 == 0 and mlp.grouped_capacity(1024, wide) > 1024 * k // e
