@@ -136,29 +136,6 @@ FIXTURES: dict[str, dict] = {
         intermediate_size=96,
         tie_word_embeddings=True,
     ),
-    # An odd rotary dimension, which transformers accepts: head_dim 20 x 0.25 = 5 gives the
-    # frequencies theta^(-2i/5) for i = 0, 2, 4, so 3 slots and 6 rotated channels.
-    "qwen3_5_odd_rotary": dict(
-        family="qwen3_5",
-        seed=2050,
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=20,
-        partial_rotary_factor=0.25,  # rotary dim 5 -> 3 frequency slots = sum(mrope_section)
-        rope_theta=10000000,
-        mrope_section=[1, 1, 1],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_conv_kernel_dim=4,
-        intermediate_size=96,
-        tie_word_embeddings=False,
-    ),
     "qwen3_5_moe": dict(
         family="qwen3_5_moe",
         seed=2036,
@@ -183,6 +160,17 @@ FIXTURES: dict[str, dict] = {
         shared_expert_intermediate_size=24,
         tie_word_embeddings=False,
     ),
+}
+
+# An odd rotary dimension, which transformers accepts: head_dim 20 x 0.25 = 5 gives the frequencies
+# theta^(-2i/5) for i = 0, 2, 4, so 3 slots (sum(mrope_section)) and 6 rotated channels.
+FIXTURES["qwen3_5_odd_rotary"] = {
+    **FIXTURES["qwen3_5_dense"],
+    "seed": 2050,
+    "head_dim": 20,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [1, 1, 1],
+    "tie_word_embeddings": False,
 }
 
 # Random-weight scales (see README): large enough that logits are spread out, small enough to stay sane.
