@@ -51,7 +51,7 @@ from benchmarks import report
 from benchmarks.settings import HFSizes, Settings
 from metrale_jax import runtime_env
 
-SECTIONS = ("hf", "hf-45m", "hf-300m", "e2e", "compile", "forwards", "gap", "slots", "roofline")
+SECTIONS = ("hf", "hf-45m", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "roofline")
 HF_SECTIONS = ("hf", "hf-45m", "hf-300m")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m benchmarks"
@@ -191,9 +191,9 @@ def _resolve(a: dict[str, Any]) -> Settings:
         return v if v is not None else (small if smoke else full)
 
     default_sections = (
-        ["hf", "hf-300m", "e2e", "compile", "forwards", "gap", "slots", "roofline"]
+        ["hf", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "roofline"]
         if smoke
-        else ["hf", "hf-45m", "hf-300m", "e2e", "compile", "forwards", "gap", "slots"]
+        else ["hf", "hf-45m", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots"]
     )
     return Settings(
         model=d(a["model"], "tiny", "tiny-2L"),
@@ -237,6 +237,12 @@ def _resolve(a: dict[str, Any]) -> Settings:
         e2e_oracle_new_tokens=d(a["e2e_oracle_new_tokens"], 48, 8),
         e2e_accept=a["e2e_accept"],
         e2e_rounds=d(a["e2e_rounds"], 3, 1),
+        anatomy_model=d(None, "small", "tiny"),
+        anatomy_dot_model=d(None, "qwen3-next-h512", "tiny"),
+        anatomy_drafts=d(None, [1, 2, 3], [1]),
+        anatomy_iters=d(None, 50, 2),
+        anatomy_ms=d(None, [1, 2, 4, 8, 16, 32], [1, 8]),
+        anatomy_repeats=d(None, 3, 1),
         hf_create=not (a["no_hf_setup"] or smoke),
         workdir=a["workdir"],
         threads=a["threads"],
@@ -328,7 +334,7 @@ def _run(cfg: Settings, opts: dict[str, Any], argv: list[str]) -> dict:
 
 def _section(name: str, cfg: Settings) -> dict:
     """Run one section with the settings `cfg` (`_resolve`); returns its JSON dict."""
-    from benchmarks import compile_cost, e2e, forwards, idle_gap, roofline, slot_scaling, vs_hf
+    from benchmarks import anatomy, compile_cost, e2e, forwards, idle_gap, roofline, slot_scaling, vs_hf
     from benchmarks.hf_env import ensure_hf_venv
 
     if name in HF_SECTIONS:
@@ -341,6 +347,7 @@ def _section(name: str, cfg: Settings) -> dict:
         return compile_cost.run(cfg, log=_log)
     runs: dict[str, Callable[[Settings], dict]] = {
         "e2e": e2e.run,
+        "anatomy": anatomy.run,
         "forwards": forwards.run,
         "gap": idle_gap.run,
         "slots": slot_scaling.run,

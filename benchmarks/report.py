@@ -494,11 +494,51 @@ def e2e_table(r: dict) -> Table:
     )
 
 
+def anatomy_table(r: dict) -> Table:
+    programs = [
+        (
+            p["engine"],
+            p["step"],
+            p["program"],
+            str(p["launches"]),
+            f"{1e3 * p['device_s']:.3f}",
+            f"{p['us_per_launch']:.2f}",
+        )
+        for p in r["programs"]
+    ]
+    dots = [
+        (
+            str(d["m"]),
+            f"{1e3 * d['cold_s']:.3f}",
+            f"{d['cold_gb_s']:.1f}",
+            f"{1e3 * d['warm_s']:.3f}",
+            f"{d['warm_gb_s']:.1f}",
+        )
+        for d in r["dots"]
+    ]
+    out_dim, in_dim = r["dot_shape"]
+    return Table(
+        f"Anatomy of a step: the programs a generation step runs on {r['model']}, and this core's matrix products "
+        f"at a step's row counts ({r['dot_model']}'s expert gate/up rows, [{out_dim}, {in_dim}] float32)",
+        notes=(
+            "launches: top-level kernels of the program's entry computation (ProgramInfo.launches); device ms: the "
+            "compiled program alone on its captured arguments, median (pool donated and fed back); us/launch = the two",
+            "products: x [M, in] @ w [out, in]^T; 'from memory': a different weight each call (their total past any "
+            "cache, as in a real step), 'in cache': one weight re-read; GB/s of weight read per call",
+        ),
+        grids=(
+            Grid(("engine", "step", "program", "launches", "device ms", "us/launch"), programs, left=(0, 1, 2)),
+            Grid(("M", "from memory ms", "GB/s", "in cache ms", "GB/s "), dots),
+        ),
+    )
+
+
 TABLES = {
     "hf": hf_table,
     "hf-45m": hf_table,
     "hf-300m": hf_table,
     "e2e": e2e_table,
+    "anatomy": anatomy_table,
     "compile": compile_table,
     "forwards": forwards_table,
     "gap": gap_table,

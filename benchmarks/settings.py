@@ -69,6 +69,12 @@ class Settings:
     e2e_oracle_new_tokens: int
     e2e_accept: float  # e2e: the oracle's chance that a draft position is right
     e2e_rounds: int  # e2e: timed rounds, greedy and both speculative modes alternated in each
+    anatomy_model: str  # anatomy: the model whose step programs are dissected
+    anatomy_dot_model: str  # anatomy: the model whose largest projection the product sweep runs
+    anatomy_drafts: list[int]  # anatomy: a speculative engine per draft count
+    anatomy_iters: int  # anatomy: timed calls of each program
+    anatomy_ms: list[int]  # anatomy: the row counts M of the product sweep
+    anatomy_repeats: int  # anatomy: sweeps per M (median)
     hf_create: bool  # hf: create the HF venv when it is absent
     workdir: str  # checkpoint and driver logs
     threads: int  # threads per side; 0 = library defaults

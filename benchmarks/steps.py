@@ -23,6 +23,7 @@ import numpy as np
 
 from benchmarks.models import settings
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.pool import EnginePool
 
 
 def max_seq_len_for(tokens: int, block: int = 16) -> int:
@@ -165,7 +166,7 @@ class DeviceStep:
         for _ in range(iters + 1):
             t0 = time.perf_counter()
             out = self._orig(name, fn, static, self.engine.pool, *rest)
-            self.engine.pool = out[-1]
+            self.engine.pool = out if isinstance(out, EnginePool) else out[-1]  # a verdict returns the pool alone
             jax.block_until_ready(out)
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
