@@ -32,6 +32,7 @@ from typing import get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from kernels_pallas.ops import Forward, Ops, PallasOps, ReferenceOps
 from metrale_jax.config import ModelConfig
@@ -50,10 +51,10 @@ from metrale_jax.engine.inputs import (
     SwapRecord,
     VerdictBatch,
 )
-from metrale_jax.engine.pool import allocate_pool
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
 from metrale_jax.engine.settings import EngineSettings, unsupported
+from metrale_jax.engine.sharding import allocate_sharded_pool, shard_params
 from metrale_jax.model.layout import arrange_layers
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
@@ -98,17 +99,28 @@ class Engine:
     """Host shell of the engine. See the module docstring for the invariants."""
 
     def __init__(
-        self, cfg: ModelConfig, params, settings: EngineSettings, *, forward: str = "xla", layout: str = "list"
+        self,
+        cfg: ModelConfig,
+        params,
+        settings: EngineSettings,
+        *,
+        forward: str = "xla",
+        layout: str = "list",
+        mesh: Mesh | None = None,
     ):
+        """mesh: the (ep, tp) device mesh (`sharding.make_mesh`) the weights and the pool are sharded
+        over (`sharding.shard_params`, `allocate_sharded_pool`); None runs on the default device."""
         refused = unsupported(settings, cfg)
         if refused:
             raise EngineError("not supported: " + "; ".join(refused))
         self.cfg = cfg
-        self.params = arrange_layers(params, cfg, layout)
+        self.mesh = mesh
+        arranged = arrange_layers(params, cfg, layout)
+        self.params = arranged if mesh is None else shard_params(arranged, cfg, mesh)
         self.settings = settings
         self.dtype = params["embed"].dtype
         self.counts = pool_counts(settings, cfg)
-        self.pool = allocate_pool(cfg, self.counts, settings, dtype=self.dtype)
+        self.pool = allocate_sharded_pool(cfg, self.counts, settings, dtype=self.dtype, mesh=mesh)
         self.drafter = self.counts.drafter
         self.slots = SlotAllocator(self.counts.real_slots)
         self.blocks = BlockAllocator(self.counts.kv_blocks - 1, "KV blocks")

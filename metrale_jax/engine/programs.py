@@ -238,11 +238,35 @@ def count_param_copies(hlo_text: str) -> int:
     return count
 
 
+def _pool_mesh(pool) -> jax.sharding.Mesh | None:
+    """The mesh the pool's leaves are sharded over (`engine.sharding`), or None on one device."""
+    for x in jax.tree_util.tree_leaves(pool):
+        if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
+            return x.sharding.mesh
+    return None
+
+
 def compile_transition(fn: Callable, static: ModelStatic | None, args: tuple) -> Any:
     """`fn(*args, static=static)` (`fn(*args)` when static is None) compiled ahead of time for
-    `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated."""
+    `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated.
+
+    Under a mesh (the pool's leaves carry NamedShardings) the program is traced under it
+    (`jax.set_mesh`: the model reads the tensor groups) and the returned pool — the output, or its
+    last element, as every transition returns it — is constrained to the donated pool's
+    shardings, so the pool keeps its layout and the donation aliases it."""
     call = fn if static is None else functools.partial(fn, static=static)
-    return jax.jit(call, donate_argnums=(0,)).lower(*args).compile()
+    mesh = _pool_mesh(args[0])
+    if mesh is None:
+        return jax.jit(call, donate_argnums=(0,)).lower(*args).compile()
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, args[0])
+    keep = functools.partial(jax.lax.with_sharding_constraint, shardings=shardings)
+
+    def sharded(*a):
+        out = call(*a)
+        return (*out[:-1], keep(out[-1])) if isinstance(out, tuple) else keep(out)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(sharded, donate_argnums=(0,)).lower(*args).compile()
 
 
 class ProgramCache:

@@ -162,7 +162,8 @@ def moe(p, x, cfg: ModelConfig):
     """Sparse MoE block. x: [..., Hd]. p: w_in [E + 2Is + 1, Hd] (router, shared-expert gate and
     up, shared-expert gate scalar), gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I],
     shared_down [Hd, Is]. The routed experts run in the form `moe_form` picks for the row count."""
-    logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg))
+    # NOTE: w_in is replicated (its router and one-row shared gate do not split over heads): groups=1.
+    logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg), groups=1)
     logits32 = logits.astype(jnp.float32)
     e = jnp.exp(logits32 - jnp.max(logits32, axis=-1, keepdims=True))
     probs = e / pairwise_sum(e)[..., None]  # softmax, with a shape-invariant sum
