@@ -2,9 +2,9 @@
 
 Owns: `MeshError` and `check_mesh` (the mesh flags against a config and the devices present),
 `make_mesh`, the layout table (`PARAM_LAYOUT`, `POOL_LAYOUT`: each leaf's `PartitionSpec` over its
-trailing axes, stated once), `param_shardings` / `shard_params` (weights onto the mesh, group-major),
+trailing axes, stated once), `param_shardings` / `shard_params` / `unshard_params` (weights onto the mesh, group-major, and back),
 `pool_shardings` / `allocate_sharded_pool` / `abstract_pool` (the pool on the mesh, or its sharded
-shapes for the planner), `canonical_pool` (a pool leaf in checkpoint channel order, for comparisons)
+shapes for the planner), `canonical_pool` / `place_pool` (the pool in checkpoint channel order, and back)
 and `device_bytes` (one device's share of a leaf).
 
 The mesh has two axes, `ep` (experts) x `tp` (heads). Layout (XLA SPMD propagates the rest; a
@@ -176,18 +176,39 @@ def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return _param_layout(params, cfg, lambda x, trailing, _: NamedSharding(mesh, _spec(trailing, x.ndim)))
 
 
+def _regroup(x, axis: int, parts: tuple[int, ...], tp: int, inverse: bool):
+    """x with its `axis` (checkpoint order, `parts`) put group-major for tp groups, or back (`inverse`)."""
+    if tp == 1:
+        return x
+    index = _group_major_index(parts, tp)
+    return (np if isinstance(x, np.ndarray) else jnp).take(x, np.argsort(index) if inverse else index, axis=axis)
+
+
+def _param_axis(x, trailing: tuple[str | None, ...]) -> int:
+    return x.ndim - len(trailing) + trailing.index(TP)
+
+
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """`params` (checkpoint order) on the mesh: group-major leaves reordered for the mesh's tp
     groups (along the axis the table shards), then each leaf placed with its sharding."""
     tp, _ = mesh_sizes(mesh)
 
     def place(x, trailing, parts):
-        if parts is not None and tp > 1:
-            axis = x.ndim - len(trailing) + trailing.index(TP)
-            x = jnp.take(x, _group_major_index(parts, tp), axis=axis)
+        x = x if parts is None else _regroup(x, _param_axis(x, trailing), parts, tp, inverse=False)
         return jax.device_put(x, NamedSharding(mesh, _spec(trailing, x.ndim)))
 
     return _param_layout(params, cfg, place)
+
+
+def unshard_params(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
+    """`shard_params`'s inverse: every leaf in checkpoint order on the default device."""
+    tp, _ = mesh_sizes(mesh)
+
+    def back(x, trailing, parts):
+        x = jax.device_put(x, jax.devices()[0])
+        return x if parts is None else _regroup(x, _param_axis(x, trailing), parts, tp, inverse=True)
+
+    return _param_layout(params, cfg, back)
 
 
 def pool_shardings(pool, mesh: Mesh) -> EnginePool:
@@ -221,19 +242,30 @@ def allocate_sharded_pool(
     return jax.jit(lambda: allocate_pool(cfg, counts, settings, dtype=dtype), out_shardings=shardings)()
 
 
-def canonical_pool(pool: EnginePool, cfg: ModelConfig, mesh: Mesh | None) -> EnginePool:
-    """`pool` with its group-major conv channel axes in checkpoint order (q, k, v), gathered to one
-    device: what a single-device engine holds in the same state (for comparing engines)."""
-    tp, _ = mesh_sizes(mesh)
-    inverse = np.argsort(_group_major_index(_conv_parts(cfg), tp))
+def _pool_channels(pool, cfg: ModelConfig, tp: int, inverse: bool):
+    """Host copies of every pool leaf, the conv channel axes put group-major for tp (or back)."""
     names = [name for name, *_ in pool_buffers(pool)]
     leaves, tree = jax.tree_util.tree_flatten(pool)
     out = []
     for name, x in zip(names, leaves):
         x = np.asarray(jax.device_get(x))
         trailing, channels = POOL_LAYOUT[name]
-        out.append(np.take(x, inverse, axis=x.ndim - len(trailing)) if channels and tp > 1 else x)
+        out.append(_regroup(x, x.ndim - len(trailing), _conv_parts(cfg), tp, inverse) if channels else x)
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def canonical_pool(pool: EnginePool, cfg: ModelConfig, mesh: Mesh | None) -> EnginePool:
+    """`pool` on the host with its conv channel axes in checkpoint order (q, k, v): what a
+    single-device engine holds in the same state (for comparing engines)."""
+    return _pool_channels(pool, cfg, mesh_sizes(mesh)[0], inverse=True)
+
+
+def place_pool(pool: EnginePool, cfg: ModelConfig, mesh: Mesh | None) -> EnginePool:
+    """`canonical_pool`'s inverse: a checkpoint-order pool placed on `mesh` (None: the default device)."""
+    grouped = _pool_channels(pool, cfg, mesh_sizes(mesh)[0], inverse=False)
+    if mesh is None:
+        return jax.tree_util.tree_map(jnp.asarray, grouped)
+    return jax.device_put(grouped, pool_shardings(grouped, mesh))
 
 
 def device_bytes(x) -> int:
