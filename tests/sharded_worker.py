@@ -7,7 +7,9 @@ host devices (the device count is fixed when jax starts). Prints one JSON object
 - `speculative`: per mesh, whether greedy speculative generation emitted plain greedy's tokens
   (the tiny model, MTP drafts, composed and fused steps) and the pool copies of every program;
 - `nan_isolation`: per mesh, whether test_engine's NaN-elsewhere scenario left every output
-  bit-identical (the poisoned pool placed back with the engine's shardings).
+  bit-identical (the poisoned pool placed back with the engine's shardings);
+- `planned`: per mesh, the pool buffers and weight leaves whose bytes on each device differ from
+  the planner's (`memory.plan.pool_terms`, `sharding.param_divisors`), and how many were compared.
 
 Usage: python tests/sharded_worker.py (from the repository root).
 """
@@ -28,8 +30,10 @@ import numpy as np  # noqa: E402
 import test_engine  # noqa: E402
 
 from metrale_jax.engine.engine import Engine  # noqa: E402
-from metrale_jax.engine.sharding import make_mesh, pool_shardings  # noqa: E402
+from metrale_jax.engine.pool import pool_buffers  # noqa: E402
+from metrale_jax.engine.sharding import make_mesh, param_divisors, pool_shardings  # noqa: E402
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate  # noqa: E402
+from metrale_jax.memory.plan import pool_terms  # noqa: E402
 from metrale_jax.params import init_params  # noqa: E402
 from metrale_jax.presets import resolve_checkpoint  # noqa: E402
 
@@ -39,7 +43,10 @@ MESHES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 def _scenario(eng: Engine) -> list[np.ndarray]:
     rng = np.random.default_rng(5)
     a, b = eng.alloc_sequence(), eng.alloc_sequence()
-    out = [eng.prefill(a, [int(x) for x in rng.integers(0, 256, 21)]), eng.prefill(b, [int(x) for x in rng.integers(0, 256, 9)])]
+    out = [
+        eng.prefill(a, [int(x) for x in rng.integers(0, 256, 21)]),
+        eng.prefill(b, [int(x) for x in rng.integers(0, 256, 9)]),
+    ]
     out.append(eng.decode_batch([a, b], [int(out[0].argmax()), int(out[1].argmax())]))
     last = [int(x) for x in out[2].reshape(2, -1).argmax(-1)]
     logits, _ = eng.verify_batched([a, b], [last[0], 3, 4, 5, last[1], 7], [4, 2])
@@ -95,7 +102,41 @@ def speculative_and_isolation() -> tuple[dict, dict]:
     return spec, nan
 
 
+def planned_vs_allocated() -> dict:
+    cfg, params = resolve_checkpoint("tiny")
+    out = {}
+    for tp, ep in [(2, 1), (2, 2)]:
+        st = conftest.settings(
+            max_batch_size=4,
+            max_seq_len=128,
+            speculative=True,
+            num_drafts=3,
+            tensor_parallel_size=tp,
+            expert_parallel_size=ep,
+        )
+        eng = Engine(cfg, params, st)
+        bad, compared = [], 0
+        terms = pool_terms(cfg, eng.counts, st, eng.dtype)
+        for (name, *_), leaf, term in zip(pool_buffers(eng.pool), jax.tree_util.tree_leaves(eng.pool), terms):
+            per_device = {s.data.nbytes for s in leaf.addressable_shards}
+            compared += 1
+            if per_device != {term.bytes} or len(leaf.addressable_shards) != tp * ep:
+                bad.append([name, sorted(per_device), term.bytes])
+        divisors = param_divisors(cfg, tp, ep)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(eng.params)[0]:
+            key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+            compared += 1
+            if {s.data.nbytes for s in leaf.addressable_shards} != {leaf.nbytes // divisors[key]}:
+                bad.append([str(key), leaf.nbytes, divisors[key]])
+        out[f"{tp}x{ep}"] = {"mismatches": bad, "compared": compared}
+    return out
+
+
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     spec, nan = speculative_and_isolation()
-    print(json.dumps({"logits": logits_agreement(), "speculative": spec, "nan_isolation": nan}))
+    print(
+        json.dumps(
+            {"logits": logits_agreement(), "speculative": spec, "nan_isolation": nan, "planned": planned_vs_allocated()}
+        )
+    )

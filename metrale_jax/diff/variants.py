@@ -46,8 +46,9 @@ REFERENCE = "xla"
 OTHER_FORWARD_RTOL = 1e-3
 
 
-#: The declared bound of a sharded replay (f32 logits): partitioned sums reorder rounding only.
-MESH_RTOL = 1e-4
+#: The declared bound of a sharded replay: its partitioned sums round in another order, as compiled
+#: kernels do (an fp8 KV cache turns a last-bit change of a K or V value into an fp8 step).
+MESH_RTOL = OTHER_FORWARD_RTOL
 #: Mesh variants: label -> (tensor-parallel size, expert-parallel size).
 MESH_VARIANTS = {"tp2": (2, 1), "tp2-ep2": (2, 2)}
 

@@ -57,6 +57,7 @@ from metrale_jax.engine.settings import EngineSettings, unsupported
 from metrale_jax.engine.sharding import (
     allocate_sharded_pool,
     canonical_pool,
+    make_mesh,
     place_pool,
     shard_params,
     unshard_params,
@@ -115,11 +116,14 @@ class Engine:
         mesh: Mesh | None = None,
     ):
         """mesh: the (ep, tp) device mesh (`sharding.make_mesh`) the weights and the pool are sharded
-        over (`sharding.shard_params`, `allocate_sharded_pool`); None runs on the default device."""
+        over (`sharding.shard_params`, `allocate_sharded_pool`); None: the mesh of the settings'
+        --tensor/--expert-parallel-size (1 x 1: the default device)."""
         refused = unsupported(settings, cfg)
         if refused:
             raise EngineError("not supported: " + "; ".join(refused))
         self.cfg = cfg
+        if mesh is None:
+            mesh = make_mesh(cfg, settings.tensor_parallel_size, settings.expert_parallel_size)
         self.mesh = mesh
         arranged = arrange_layers(params, cfg, layout)
         self.params = arranged if mesh is None else shard_params(arranged, cfg, mesh)

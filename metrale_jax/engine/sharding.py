@@ -2,10 +2,12 @@
 
 Owns: `MeshError` and `check_mesh` (the mesh flags against a config and the devices present),
 `make_mesh`, the layout table (`PARAM_LAYOUT`, `POOL_LAYOUT`: each leaf's `PartitionSpec` over its
-trailing axes, stated once), `param_shardings` / `shard_params` / `unshard_params` (weights onto the mesh, group-major, and back),
-`pool_shardings` / `allocate_sharded_pool` / `abstract_pool` (the pool on the mesh, or its sharded
-shapes for the planner), `canonical_pool` / `place_pool` (the pool in checkpoint channel order, and back)
-and `device_bytes` (one device's share of a leaf).
+trailing axes, stated once), `param_shardings` / `shard_params` / `unshard_params` (weights onto
+the mesh, group-major, and back), `pool_shardings` / `allocate_sharded_pool` / `abstract_pool`
+(the pool on the mesh, or its sharded shapes for the planner), `canonical_pool` / `place_pool`
+(the pool in checkpoint channel order, and back), `device_bytes` (one device's share of a leaf),
+and for the planner `planning_mesh` (the abstract mesh a serve's settings name) and
+`param_divisors` (how many ways each parameter leaf is split).
 
 The mesh has two axes, `ep` (experts) x `tp` (heads). Layout (XLA SPMD propagates the rest; a
 contraction over a sharded axis becomes an all-reduce):
@@ -15,7 +17,8 @@ contraction over a sharded axis becomes an all-reduce):
   head, contiguous) and those heads' q, k, v conv channels, z, b, a rows, dt_bias and A_log;
   `out` by columns; the live h, verify h rows and checkpoints by value heads, conv windows by
   channel (group-major);
-- dense MLP: gate/up rows, `down` by columns; MoE experts over `ep`; the MoE's stacked router /
+- dense MLP: gate/up rows, `down` by columns; MoE experts over every device (`ep` x `tp`, each
+  device runs its own: `model.mlp`); the MoE's stacked router /
   shared-expert input projection and `shared_down` replicated (the router and the one-row shared
   gate do not split by heads);
 - embedding, lm_head, norms, the MTP fc and the stash replicated.
@@ -38,15 +41,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.pool import EnginePool, allocate_pool, pool_buffers
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.errors import MetraleError
-from metrale_jax.model.linear import EXPERT_AXIS, TENSOR_AXIS
-from metrale_jax.params import attn_in_rows, dense_in_rows
+from metrale_jax.model.linear import EXPERT_AXES, EXPERT_AXIS, TENSOR_AXIS
+from metrale_jax.params import attn_in_rows, dense_in_rows, param_specs
 
 TP, EP = TENSOR_AXIS, EXPERT_AXIS
 
@@ -68,7 +71,8 @@ def _conv_parts(cfg: ModelConfig) -> tuple[int, ...]:
 # The layout table: (mixer or block, leaf) -> (PartitionSpec of the leaf's trailing axes, the
 # row parts of a group-major leaf or None). Leaves not named are replicated. "moe" is an MLP with
 # a shared expert. A leading layer-group axis (scan layout) or layer axis (pool) is never sharded.
-PARAM_LAYOUT: dict[tuple[str, str], tuple[tuple[str | None, ...], Callable[[ModelConfig], tuple[int, ...]] | None]] = {
+Axes = tuple[str | tuple[str, ...] | None, ...]
+PARAM_LAYOUT: dict[tuple[str, str], tuple[Axes, Callable[[ModelConfig], tuple[int, ...]] | None]] = {
     ("gdn", "w_in"): ((TP, None), _gdn_parts),
     ("gdn", "conv"): ((TP, None), _conv_parts),
     ("gdn", "dt_bias"): ((TP,), None),
@@ -78,8 +82,8 @@ PARAM_LAYOUT: dict[tuple[str, str], tuple[tuple[str | None, ...], Callable[[Mode
     ("attn", "wo"): ((None, TP), None),
     ("mlp", "gate_up"): ((TP, None), dense_in_rows),
     ("mlp", "down"): ((None, TP), None),
-    ("moe", "gate_up"): ((EP, None, None), None),
-    ("moe", "down"): ((EP, None, None), None),
+    ("moe", "gate_up"): ((EXPERT_AXES, None, None), None),
+    ("moe", "down"): ((EXPERT_AXES, None, None), None),
 }
 
 # Pool leaf -> (PartitionSpec of its trailing axes, whether that axis holds group-major GDN conv channels).
@@ -99,15 +103,15 @@ POOL_LAYOUT: dict[str, tuple[tuple[str | None, ...], bool]] = {
 
 
 def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
-    """Raise MeshError (one line) unless tp >= 1, ep >= 1, tp divides the attention heads, the KV
-    heads and the GDN key and value heads, ep divides the experts (ep = 1 without experts), tp
-    divides the dense MLP width, and tp * ep <= devices."""
+    """Raise MeshError (one line) unless tp >= 1, ep >= 1, tp divides the attention KV heads, the GDN
+    key heads, the attention heads, the GDN value heads and the dense MLP width, tp * ep divides the
+    experts (ep = 1 without experts), and tp * ep <= devices."""
     if tp < 1 or ep < 1:
         raise MeshError(f"--tensor-parallel-size {tp} and --expert-parallel-size {ep} must be >= 1")
     heads = {
-        "attention heads": cfg.num_attention_heads,
         "attention KV heads": cfg.num_key_value_heads,
         "GDN key heads": cfg.linear_num_key_heads,
+        "attention heads": cfg.num_attention_heads,
         "GDN value heads": cfg.linear_num_value_heads,
     }
     if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
@@ -116,8 +120,10 @@ def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
         if n and n % tp:
             raise MeshError(f"--tensor-parallel-size {tp} does not divide the model's {n} {what}")
     experts = cfg.num_experts if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) else 0
-    if ep > 1 and (not experts or experts % ep):
-        raise MeshError(f"--expert-parallel-size {ep} does not divide the model's {experts} experts")
+    if ep > 1 and not experts:
+        raise MeshError(f"--expert-parallel-size {ep} needs a model with experts")
+    if experts and experts % (tp * ep):
+        raise MeshError(f"the mesh's {tp} x {ep} devices do not divide the model's {experts} experts")
     if tp * ep > devices:
         raise MeshError(f"a mesh of {tp} x {ep} = {tp * ep} devices needs more than the {devices} present")
 
@@ -139,6 +145,22 @@ def mesh_sizes(mesh: Mesh | None) -> tuple[int, int]:
     return int(shape.get(TP, 1)), int(shape.get(EP, 1))
 
 
+def planning_mesh(settings: EngineSettings) -> AbstractMesh | None:
+    """The abstract (ep, tp) mesh of `settings`' --tensor/--expert-parallel-size (no devices
+    needed: shardings and shard shapes only); None for 1 x 1."""
+    tp, ep = settings.tensor_parallel_size, settings.expert_parallel_size
+    return None if tp * ep == 1 else AbstractMesh((ep, tp), (EP, TP))
+
+
+def param_divisors(cfg: ModelConfig, tp: int, ep: int) -> dict[tuple, int]:
+    """{parameter path (as `checkpoint.bindings` names it): the number of devices its leaf is split
+    over} under a tp x ep mesh (1: replicated); each device holds 1/divisor of the leaf."""
+    sizes = {TP: tp, EP: ep, None: 1, EXPERT_AXES: tp * ep}
+    tree = _param_layout(param_specs(cfg), cfg, lambda x, trailing, _: math.prod(sizes[a] for a in trailing))
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): n for path, n in leaves}
+
+
 def _spec(trailing: tuple[str | None, ...], ndim: int) -> PartitionSpec:
     return PartitionSpec(*([None] * (ndim - len(trailing))), *trailing)
 
@@ -147,7 +169,11 @@ def _group_major_index(parts: tuple[int, ...], groups: int) -> np.ndarray:
     """Row order of a group-major leaf: for each group g, rows g/groups.. of every part in turn."""
     starts = np.cumsum((0, *parts))[:-1]
     return np.concatenate(
-        [np.arange(s + g * (n // groups), s + (g + 1) * (n // groups)) for g in range(groups) for s, n in zip(starts, parts)]
+        [
+            np.arange(s + g * (n // groups), s + (g + 1) * (n // groups))
+            for g in range(groups)
+            for s, n in zip(starts, parts)
+        ]
     )
 
 
@@ -211,7 +237,7 @@ def unshard_params(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
     return _param_layout(params, cfg, back)
 
 
-def pool_shardings(pool, mesh: Mesh) -> EnginePool:
+def pool_shardings(pool, mesh: Mesh | AbstractMesh) -> EnginePool:
     """The NamedSharding of every leaf of an `EnginePool` (or its `eval_shape`)."""
     names = [name for name, *_ in pool_buffers(pool)]
     leaves, tree = jax.tree_util.tree_flatten(pool)
@@ -221,9 +247,10 @@ def pool_shardings(pool, mesh: Mesh) -> EnginePool:
 
 
 def abstract_pool(
-    cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings, *, dtype, mesh: Mesh | None
+    cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings, *, dtype, mesh: Mesh | AbstractMesh | None
 ) -> EnginePool:
-    """`jax.eval_shape(allocate_pool, ...)`, each struct carrying its sharding under `mesh`."""
+    """`jax.eval_shape(allocate_pool, ...)`, each struct carrying its sharding under `mesh` (concrete
+    or abstract)."""
     shapes = jax.eval_shape(lambda: allocate_pool(cfg, counts, settings, dtype=dtype))
     if mesh is None:
         return shapes

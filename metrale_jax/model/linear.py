@@ -17,15 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 # The device mesh's axes (`metrale_jax.engine.sharding` builds the mesh): heads, experts.
 TENSOR_AXIS = "tp"
 EXPERT_AXIS = "ep"
+# The MoE experts are split over every device of the mesh, in this (major to minor) order.
+EXPERT_AXES = (EXPERT_AXIS, TENSOR_AXIS)
 
 
 def tensor_groups() -> int:
     """Shards of the tensor axis of the mesh the current trace runs under (`jax.set_mesh`); 1 without one."""
-    return int(dict(jax.sharding.get_abstract_mesh().shape).get(TENSOR_AXIS, 1))
+    return mesh_devices((TENSOR_AXIS,))
+
+
+def mesh_devices(axes: tuple[str, ...]) -> int:
+    """Devices of the current trace's mesh over `axes` (the product of their sizes; 1 without a mesh)."""
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    return int(np.prod([shape.get(a, 1) for a in axes]))
 
 
 def split_groups(y, sizes: tuple[int, ...], groups: int) -> tuple[jax.Array, ...]:
