@@ -76,6 +76,22 @@ def test_planned_equals_allocated_per_buffer_and_device(worker, mesh):
     assert worker["planned"][mesh]["mismatches"] == []
 
 
+def test_the_diff_passes_its_tp2_variant(tmp_path):
+    """`metrale-jax diff --verify-batch 2,4 --verify-batch-ks 2,4 --mtp --forwards xla-repeat,tp2` on
+    tiny, 2 forced host devices: PASS, the tp2 variant within its declared bound on every shape."""
+    out = tmp_path / "diff.json"
+    argv = ["--checkpoint", "tiny", "--steps", "4", "--verify-batch", "2,4", "--verify-batch-ks", "2,4", "--mtp"]
+    argv += ["--speculative", "--num-drafts", "3", "--forwards", "xla-repeat,tp2", "--out", str(out)]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    code = "import sys; from metrale_jax_cli.main import cli; cli(['diff', *sys.argv[1:]])"
+    r = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "PASS", report["reasons"]
+    tp2 = [c for shape in report["shapes"] for c in shape["comparisons"] if c["variant"] == "tp2"]
+    assert len(tp2) == 6 and all(c["ok"] for c in tp2)
+
+
 def test_the_layout_table_names_every_pool_leaf():
     assert set(sharding.POOL_LAYOUT) == set(POOL_LABELS)
 

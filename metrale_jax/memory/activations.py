@@ -56,7 +56,7 @@ from typing import Any
 
 import jax
 import jaxlib
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from kernels_pallas.ops import Ops
 from metrale_jax.config import ModelConfig
@@ -72,7 +72,7 @@ from metrale_jax.engine.inputs import (
     StepStatic,
     abstract,
 )
-from metrale_jax.engine.programs import compile_transition
+from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
 from metrale_jax.memory.errors import PlanError
@@ -184,6 +184,24 @@ def step_programs(
             )
         )
     return tuple(out)
+
+
+def exported_step_programs(
+    config: ModelConfig, settings: EngineSettings, mesh: AbstractMesh, dtype: Any, ops: Ops, platform: str
+) -> dict[str, Any]:
+    """{program name: `jax.export.Exported`}: the serve's step programs (`step_programs` at its full
+    `pool_counts`) on `mesh`, an abstract mesh of devices that need not be present, weights and
+    pool sharded as the engine shards them, lowered for `platform` (`programs.export_transition`)."""
+    counts = pool_counts(settings, config)
+    params = jax.eval_shape(lambda: arrange_layers(init_params(config, 0, dtype), config, "list"))
+    params = jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params, param_shardings(params, config, mesh)
+    )
+    pool = abstract_pool(config, counts, settings, dtype=dtype, mesh=mesh)
+    return {
+        p.name: export_transition(p.fn, p.static, p.args, platform)
+        for p in step_programs(config, counts, settings, params, pool, ops)
+    }
 
 
 def _signature(tree: Any) -> list:
