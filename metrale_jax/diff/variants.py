@@ -173,7 +173,7 @@ def disclosed(engine, variants: Sequence[Variant], unavailable: Sequence[dict]) 
         (v.label, v.forward, v.contract, v.step, v.mesh) for v in variants
     ]
     for label, forward, contract, step, mesh in rows:
-        d = engine.disclosure(forward, None if mesh is None else make_mesh(engine.cfg, *mesh))
+        d = engine.disclosure(forward) if mesh is None else engine.disclosure(forward, make_mesh(engine.cfg, *mesh))
         out.append(
             {
                 "name": label,
