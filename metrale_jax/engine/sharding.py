@@ -197,7 +197,7 @@ def _param_layout(params: dict, cfg: ModelConfig, fn: Callable) -> dict:
     return walk(params, "")
 
 
-def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh | AbstractMesh) -> dict:
     """The NamedSharding of every leaf of `params` (list or scan layout, arrays or shape structs)."""
     return _param_layout(params, cfg, lambda x, trailing, _: NamedSharding(mesh, _spec(trailing, x.ndim)))
 
