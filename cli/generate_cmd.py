@@ -37,6 +37,7 @@ from metrale_jax.engine.capacity import ladder_drafts
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.settings import format_k_ladder, resolve_settings
+from metrale_jax.engine.sharding import make_mesh
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.memory.plan import require_room, serve_pools
 from metrale_jax.presets import resolve_checkpoint
@@ -167,6 +168,7 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
         )
     raw.setdefault("max_seq_len", 16 * math.ceil(reached / 16))
     settings = resolve_settings(raw, None, auto_slots=1)
+    mesh = make_mesh(cfg, settings.tensor_parallel_size, settings.expert_parallel_size)
     require_room(
         f"the engine pool for {len(ids)} prompt + {max_new_tokens} new tokens"
         + (f" with {drafts} drafts" if drafts else "")
@@ -174,7 +176,7 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
         serve_pools(cfg, settings, params["embed"].dtype),
         "ask for fewer tokens" + (" or drafts" if drafts else ""),
     )
-    engine = Engine(cfg, params, settings)
+    engine = Engine(cfg, params, settings, mesh=mesh)
     bar = Bar()
     bar.section("generate", max_new_tokens)
     t0 = time.perf_counter()

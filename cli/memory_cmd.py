@@ -17,6 +17,7 @@ import click
 
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.settings import Provenance, resolve_settings
+from metrale_jax.engine.sharding import check_mesh, param_divisors
 from metrale_jax.memory.activations import ActivationModel
 from metrale_jax.memory.advice import concurrency_answer, isl_answer, warnings_for
 from metrale_jax.memory.devices import find_device
@@ -63,6 +64,8 @@ def plan(
     _, raw = parse_serve_argv(argv)
     behavior = load_behavior(source.model_toml)
     settings = resolve_settings(raw, behavior, auto_slots=min(concurrency, AUTO_MAX_SLOTS))
+    tp, ep = settings.tensor_parallel_size, settings.expert_parallel_size
+    check_mesh(source.config, tp, ep, tp * ep)  # the plan is for a machine of tp x ep such devices
     dtype_name = dtype or source.dtype
     served = parse_dtype(dtype_name)
     model = ActivationModel(source.config, served) if activations else None
@@ -71,7 +74,7 @@ def plan(
         settings=settings,
         device=dev,
         dtype=served,
-        weights=weight_terms(source, served),
+        weights=weight_terms(source, served, param_divisors(source.config, tp, ep)),
         slots=slots_arg,
         follow_auto=str(raw.get("max_batch_size", "")).strip() == "auto",
         activations=model,

@@ -86,7 +86,7 @@ def diff_prefill(
                     continue  # the reference itself
                 same_split = _splits(length, chunk, cap) == _splits(length, None, cap)
                 contract = combine(v.contract, BIT_IDENTICAL if same_split else chunked)
-                with selected(engine, v.forward):
+                with selected(engine, v.forward, v.mesh):
                     run, ms = run_prefill(engine, prompt, chunk)
                 progress.advance()
                 label = f"{v.label}, {name}"

@@ -17,7 +17,13 @@ Invariants:
   interpreter (CPU: each kernel is byte-equal to its reference twin and the state IO fences
   them, so the whole forward is; tests/test_forward_select.py) and bounded where they are
   compiled (Triton: other reduction order).
-- Every function leaves the reference forward selected when it returns or raises.
+- A mesh variant (`tp2`, `tp2-ep2`) replays the reference's steps with the reference forward on
+  the engine resharded over a (tp, ep) mesh (`Engine.set_mesh`): the partitioned products and
+  all-reduces sum in another order, so it is declared bounded (`MESH_RTOL`); it runs only when
+  asked for by name (the devices decide whether it can) and not in the swap mode (a sharded
+  record holds the conv channels group-major).
+- Every function leaves the reference forward selected, on the engine's own mesh, when it
+  returns or raises.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
+import jax
+
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
 from metrale_jax.engine.engine import FORWARDS, make_ops
+from metrale_jax.engine.sharding import make_mesh
 
 REFERENCE = "xla"
 #: The declared bound of a forward with compiled kernels (f32 logits): another reduction order
@@ -36,6 +45,12 @@ REFERENCE = "xla"
 #: which moves logits by O(1), stays far outside it.
 OTHER_FORWARD_RTOL = 1e-3
 
+
+#: The declared bound of a sharded replay: its partitioned sums round in another order, as compiled
+#: kernels do (an fp8 KV cache turns a last-bit change of a K or V value into an fp8 step).
+MESH_RTOL = OTHER_FORWARD_RTOL
+#: Mesh variants: label -> (tensor-parallel size, expert-parallel size).
+MESH_VARIANTS = {"tp2": (2, 1), "tp2-ep2": (2, 2)}
 
 #: The label of the fused speculative step's variant.
 FUSED = "fused"
@@ -47,12 +62,14 @@ FUSED_MODES = ("verify", "verify-batch")
 class Variant:
     """label: the report's name; forward: the name `Engine.set_forward` takes; step: how a verify
     step runs (`composed`: the reference's transitions one by one, replayed; `fused`: the fused
-    step, in lock-step with the composed transitions)."""
+    step, in lock-step with the composed transitions); mesh: (tp, ep) to replay on the engine
+    resharded over that mesh, None for the engine's own placement."""
 
     label: str
     forward: str
     contract: Contract = BIT_IDENTICAL
     step: Literal["composed", "fused"] = "composed"
+    mesh: tuple[int, int] | None = None
 
 
 def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant], list[dict]]:
@@ -66,6 +83,16 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
             continue
         if label == FUSED:
             variants.append(Variant(FUSED, REFERENCE, BIT_IDENTICAL, step="fused"))
+            continue
+        if label in MESH_VARIANTS:
+            tp, ep = MESH_VARIANTS[label]
+            if wanted is None:
+                continue
+            if tp * ep > len(jax.devices()):
+                unavailable.append({"name": label, "reason": f"needs {tp * ep} devices, {len(jax.devices())} present"})
+                continue
+            contract = bounded(MESH_RTOL, f"sharded over tp {tp} x ep {ep}: partitioned sums")
+            variants.append(Variant(label, REFERENCE, contract, mesh=(tp, ep)))
             continue
         forward = REFERENCE if label == "xla-repeat" else label
         try:
@@ -84,7 +111,7 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
 
 
 def known_labels() -> list[str]:
-    return ["xla-repeat", FUSED] + [f for f in FORWARDS if f != REFERENCE]
+    return ["xla-repeat", FUSED] + [f for f in FORWARDS if f != REFERENCE] + list(MESH_VARIANTS)
 
 
 def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Variant], list[dict]]:
@@ -96,26 +123,34 @@ def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Var
             skipped.append({"name": v.label, "reason": "the fused speculative step runs in --verify / --verify-batch"})
         elif v.step == "fused" and engine.replay:
             skipped.append({"name": v.label, "reason": "the fused speculative step needs snapshot rollback"})
+        elif v.mesh is not None and mode == "swap":
+            skipped.append({"name": v.label, "reason": "a sharded record holds the conv channels group-major"})
         else:
             runs.append(v)
     return runs, skipped
 
 
 @contextlib.contextmanager
-def selected(engine, forward: str):
-    """Select `forward` for the block; the reference is selected again afterwards."""
+def selected(engine, forward: str, mesh: tuple[int, int] | None = None):
+    """Select `forward` (and, given `mesh` = (tp, ep), that mesh: `Engine.set_mesh`) for the block;
+    the reference forward on the engine's own mesh is selected again afterwards."""
+    own = engine.mesh
     engine.set_forward(forward)
     try:
+        if mesh is not None:
+            engine.set_mesh(make_mesh(engine.cfg, *mesh))
         yield
     finally:
         engine.set_forward(REFERENCE)
+        if engine.mesh is not own:
+            engine.set_mesh(own)
 
 
 def replay_all[T](engine, variants: Sequence[Variant], replay: Callable[[], T]) -> list[T]:
     """`replay()` once under each variant's forward, in order: one result per variant."""
     runs = []
     for v in variants:
-        with selected(engine, v.forward):
+        with selected(engine, v.forward, v.mesh):
             runs.append(replay())
     return runs
 
@@ -134,9 +169,11 @@ def disclosed(engine, variants: Sequence[Variant], unavailable: Sequence[dict]) 
     what its forward compiled (plan digest, launches per step, program count, the shapes its
     kernels refused), then the unavailable."""
     out = []
-    rows = [(REFERENCE, REFERENCE, None, "composed")] + [(v.label, v.forward, v.contract, v.step) for v in variants]
-    for label, forward, contract, step in rows:
-        d = engine.disclosure(forward)
+    rows = [(REFERENCE, REFERENCE, None, "composed", None)] + [
+        (v.label, v.forward, v.contract, v.step, v.mesh) for v in variants
+    ]
+    for label, forward, contract, step, mesh in rows:
+        d = engine.disclosure(forward) if mesh is None else engine.disclosure(forward, make_mesh(engine.cfg, *mesh))
         out.append(
             {
                 "name": label,

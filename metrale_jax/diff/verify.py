@@ -280,7 +280,7 @@ def diff_verify(
             comparisons: list[Comparison] = []
             timings, fused_control = [timing(REFERENCE, ref)], None
             for v in variants:
-                with selected(engine, v.forward):
+                with selected(engine, v.forward, v.mesh):
                     if v.step == "fused":
                         lockstep = functools.partial(
                             run_fused, engine, rows, ks, log, fragment=fragment, num_drafts=nd, progress=progress

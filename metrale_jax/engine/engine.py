@@ -32,6 +32,7 @@ from typing import get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from kernels_pallas.ops import Forward, Ops, PallasOps, ReferenceOps
 from metrale_jax.config import ModelConfig
@@ -50,10 +51,17 @@ from metrale_jax.engine.inputs import (
     SwapRecord,
     VerdictBatch,
 )
-from metrale_jax.engine.pool import allocate_pool
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
 from metrale_jax.engine.settings import EngineSettings, unsupported
+from metrale_jax.engine.sharding import (
+    allocate_sharded_pool,
+    canonical_pool,
+    make_mesh,
+    place_pool,
+    shard_params,
+    unshard_params,
+)
 from metrale_jax.model.layout import arrange_layers
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
@@ -98,22 +106,37 @@ class Engine:
     """Host shell of the engine. See the module docstring for the invariants."""
 
     def __init__(
-        self, cfg: ModelConfig, params, settings: EngineSettings, *, forward: str = "xla", layout: str = "list"
+        self,
+        cfg: ModelConfig,
+        params,
+        settings: EngineSettings,
+        *,
+        forward: str = "xla",
+        layout: str = "list",
+        mesh: Mesh | None = None,
     ):
+        """mesh: the (ep, tp) device mesh (`sharding.make_mesh`) the weights and the pool are sharded
+        over (`sharding.shard_params`, `allocate_sharded_pool`); None: the mesh of the settings'
+        --tensor/--expert-parallel-size (1 x 1: the default device)."""
         refused = unsupported(settings, cfg)
         if refused:
             raise EngineError("not supported: " + "; ".join(refused))
         self.cfg = cfg
-        self.params = arrange_layers(params, cfg, layout)
+        if mesh is None:
+            mesh = make_mesh(cfg, settings.tensor_parallel_size, settings.expert_parallel_size)
+        self.mesh = mesh
+        arranged = arrange_layers(params, cfg, layout)
+        self.params = arranged if mesh is None else shard_params(arranged, cfg, mesh)
         self.settings = settings
         self.dtype = params["embed"].dtype
         self.counts = pool_counts(settings, cfg)
-        self.pool = allocate_pool(cfg, self.counts, settings, dtype=self.dtype)
+        self.pool = allocate_sharded_pool(cfg, self.counts, settings, dtype=self.dtype, mesh=mesh)
         self.drafter = self.counts.drafter
         self.slots = SlotAllocator(self.counts.real_slots)
         self.blocks = BlockAllocator(self.counts.kv_blocks - 1, "KV blocks")
         self.draft_blocks = BlockAllocator(max(self.counts.draft_kv_blocks - 1, 0), "drafter KV blocks")
         self.programs = ProgramCache()
+        self._program_caches = {mesh: self.programs}  # per mesh: programs are compiled for one placement
         self.forward = forward
         self.ops = make_ops(forward)
         self._next_id = 0
@@ -130,11 +153,26 @@ class Engine:
         self.ops = make_ops(name)
         self.forward = name
 
-    def disclosure(self, name: str | None = None) -> dict:
-        """What a forward compiled (plan digest, launches per step, per-program digests) and, for
-        a kernel forward, the shapes its kernels refused (run by the reference instead)."""
+    def set_mesh(self, mesh: Mesh | None) -> None:
+        """Reshard the weights and the pool over `mesh` (None: the default device); the host
+        bookkeeping and every sequence's state are unchanged, programs are cached per mesh.
+        Refused (EngineError) while a verify awaits its verdict."""
+        if self._verified:
+            raise EngineError("set_mesh with a verify awaiting its verdict")
+        params = unshard_params(self.params, self.cfg, self.mesh)
+        pool = canonical_pool(self.pool, self.cfg, self.mesh)
+        self.params = params if mesh is None else shard_params(params, self.cfg, mesh)
+        self.pool = place_pool(pool, self.cfg, mesh)
+        self.mesh = mesh
+        self.programs = self._program_caches.setdefault(mesh, ProgramCache())
+
+    def disclosure(self, name: str | None = None, mesh: Mesh | None = None) -> dict:
+        """What a forward compiled (plan digest, launches per step, per-program digests) on `mesh`
+        (default: the current one) and, for a kernel forward, the shapes its kernels refused (run
+        by the reference instead)."""
         name = name or self.forward
-        out = self.programs.disclosure(name)
+        cache = self.programs if mesh is None else self._program_caches.get(mesh, ProgramCache())
+        out = cache.disclosure(name)
         ops = make_ops(name)
         out["refusals"] = list(ops.refusals()) if hasattr(ops, "refusals") else []
         return out

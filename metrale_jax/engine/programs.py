@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -238,11 +239,51 @@ def count_param_copies(hlo_text: str) -> int:
     return count
 
 
+def _pool_mesh(pool) -> Any:
+    """The mesh (concrete or abstract) the pool's leaves are sharded over (`engine.sharding`), or
+    None on one device."""
+    for x in jax.tree_util.tree_leaves(pool):
+        if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding):
+            return x.sharding.mesh
+    return None
+
+
+def _jitted(fn: Callable, static: ModelStatic | None, pool) -> tuple[Any, Any]:
+    """(the transition jitted with the pool donated, the pool's mesh or None). Under a mesh the
+    returned pool — the output, or its last element, as every transition returns it — is
+    constrained to the donated pool's shardings, so the pool keeps its layout and the donation
+    aliases it."""
+    call = fn if static is None else functools.partial(fn, static=static)
+    mesh = _pool_mesh(pool)
+    if mesh is None:
+        return jax.jit(call, donate_argnums=(0,)), None
+    keep = functools.partial(
+        jax.lax.with_sharding_constraint, shardings=jax.tree_util.tree_map(lambda x: x.sharding, pool)
+    )
+
+    def sharded(*a):
+        out = call(*a)
+        return (*out[:-1], keep(out[-1])) if isinstance(out, tuple) else keep(out)
+
+    return jax.jit(sharded, donate_argnums=(0,)), mesh
+
+
 def compile_transition(fn: Callable, static: ModelStatic | None, args: tuple) -> Any:
     """`fn(*args, static=static)` (`fn(*args)` when static is None) compiled ahead of time for
-    `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated."""
-    call = fn if static is None else functools.partial(fn, static=static)
-    return jax.jit(call, donate_argnums=(0,)).lower(*args).compile()
+    `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated. Under a mesh (the
+    pool's leaves carry NamedShardings) it is traced under it (`jax.set_mesh`: the model reads the
+    tensor groups and the expert devices from it) and keeps the pool's shardings (`_jitted`)."""
+    jitted, mesh = _jitted(fn, static, args[0])
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        return jitted.lower(*args).compile()
+
+
+def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, platform: str) -> Any:
+    """The program `compile_transition` builds, exported (`jax.export`) for `platform` without its
+    devices: `args` are shape structs sharded over an `AbstractMesh` (or unsharded). Lowering only."""
+    jitted, mesh = _jitted(fn, static, args[0])
+    with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh):
+        return jax.export.export(jitted, platforms=[platform])(*args)
 
 
 class ProgramCache:

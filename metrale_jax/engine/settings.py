@@ -108,6 +108,8 @@ class EngineSettings:
     ssm_cache_slots: int
     ssm_decode_ring_slots: int
     gpu_memory_utilization: float
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     provenance: tuple[Provenance, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
@@ -154,6 +156,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("ssm_cache_slots", 16, int, "Prefix-cache SSM snapshot (Marconi) slots."),
     ServeFlag("ssm_decode_ring_slots", "auto", str, "Decode-rollback ring depth: auto or 0..=8."),
     ServeFlag("gpu_memory_utilization", 0.90, float, "Fraction of device memory to use, in (0, 1]."),
+    ServeFlag("tensor_parallel_size", 1, int, "Devices the heads are sharded over (divides KV and GDN key heads)."),
+    ServeFlag("expert_parallel_size", 1, int, "Devices the MoE experts are sharded over (divides the experts)."),
 )
 SERVE_SETTINGS: frozenset[str] = frozenset(f.name for f in SERVE_FLAGS)
 
@@ -251,7 +255,14 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
         slots, rule["max_batch_size"] = auto_slots, f"{RULE_AUTO} ({auto_slots} slots)"
     eff["max_batch_size"] = slots
 
-    for name, low in (("max_seq_len", 1), ("block_size", 1), ("max_prefill_tokens", 1), ("ssm_cache_slots", 0)):
+    for name, low in (
+        ("max_seq_len", 1),
+        ("block_size", 1),
+        ("max_prefill_tokens", 1),
+        ("ssm_cache_slots", 0),
+        ("tensor_parallel_size", 1),
+        ("expert_parallel_size", 1),
+    ):
         if v[name] < low:
             errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {v[name]}")
         eff[name] = v[name]

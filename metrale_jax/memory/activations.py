@@ -33,6 +33,9 @@ Invariants:
   whose scratch XLA packs differently at few blocks (tests/test_memory_activations.py bounds an
   interpolated probe against the program compiled at its own shapes).
 - A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
+- Under a tp x ep mesh (the settings' --tensor/--expert-parallel-size) the programs are compiled
+  on that mesh of the local devices, with the engine's shardings (`engine.sharding`), and XLA's
+  analysis is one device's; fewer local devices than the mesh is a `PlanError`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from typing import Any
 
 import jax
 import jaxlib
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from kernels_pallas.ops import Ops
 from metrale_jax.config import ModelConfig
@@ -68,9 +72,10 @@ from metrale_jax.engine.inputs import (
     StepStatic,
     abstract,
 )
-from metrale_jax.engine.pool import allocate_pool
-from metrale_jax.engine.programs import compile_transition
+from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
+from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
+from metrale_jax.memory.errors import PlanError
 from metrale_jax.model.layout import arrange_layers
 from metrale_jax.params import init_params
 
@@ -181,9 +186,33 @@ def step_programs(
     return tuple(out)
 
 
+def exported_step_programs(
+    config: ModelConfig, settings: EngineSettings, mesh: AbstractMesh, dtype: Any, ops: Ops, platform: str
+) -> dict[str, Any]:
+    """{program name: `jax.export.Exported`}: the serve's step programs (`step_programs` at its full
+    `pool_counts`) on `mesh`, an abstract mesh of devices that need not be present, weights and
+    pool sharded as the engine shards them, lowered for `platform` (`programs.export_transition`)."""
+    counts = pool_counts(settings, config)
+    params = jax.eval_shape(lambda: arrange_layers(init_params(config, 0, dtype), config, "list"))
+    params = jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params, param_shardings(params, config, mesh)
+    )
+    pool = abstract_pool(config, counts, settings, dtype=dtype, mesh=mesh)
+    return {
+        p.name: export_transition(p.fn, p.static, p.args, platform)
+        for p in step_programs(config, counts, settings, params, pool, ops)
+    }
+
+
 def _signature(tree: Any) -> list:
+    """Tree structure, each leaf's shape and dtype, and its partition spec when sharded."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return [str(treedef), [[list(x.shape), str(x.dtype)] for x in leaves]]
+    return [str(treedef), [[list(x.shape), str(x.dtype), *_placement(x)] for x in leaves]]
+
+
+def _placement(x) -> list:
+    s = getattr(x, "sharding", None)
+    return [dict(s.mesh.shape), str(s.spec)] if isinstance(s, NamedSharding) else []
 
 
 def _static_text(static: ModelStatic) -> dict:
@@ -301,11 +330,31 @@ class ActivationModel:
             self._params = jax.eval_shape(lambda: arrange_layers(init_params(cfg, 0, dtype), cfg, "list"))
         return self._params
 
+    def mesh(self, settings: EngineSettings) -> Mesh | None:
+        """The local devices' mesh the settings name (None: one device). Raises PlanError when
+        fewer devices are present."""
+        tp, ep = settings.tensor_parallel_size, settings.expert_parallel_size
+        try:
+            return make_mesh(self.config, tp, ep)
+        except MeshError as e:
+            raise PlanError(
+                f"activations per device compile on the {tp} x {ep} mesh: {e} (on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * ep}, or pass --no-activations)"
+            ) from None
+
     def programs_at(self, settings: EngineSettings, counts: PoolCounts) -> tuple[StepProgram, ...]:
-        """The abstract step programs at `counts` (pool traced with `allocate_pool`)."""
-        cfg, dtype = self.config, self.dtype
-        pool = jax.eval_shape(lambda: allocate_pool(cfg, counts, settings, dtype=dtype))
-        progs = step_programs(cfg, counts, settings, self.params, pool, self.ops)
+        """The abstract step programs at `counts` (pool traced with `allocate_pool`), sharded as
+        the engine shards them under the settings' mesh."""
+        cfg, dtype, mesh = self.config, self.dtype, self.mesh(settings)
+        pool = abstract_pool(cfg, counts, settings, dtype=dtype, mesh=mesh)
+        params = self.params
+        if mesh is not None:
+            params = jax.tree_util.tree_map(
+                lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                params,
+                param_shardings(params, cfg, mesh),
+            )
+        progs = step_programs(cfg, counts, settings, params, pool, self.ops)
         return tuple(p for p in progs if self.only is None or p.name in self.only)
 
     # -- one shape set, exactly
@@ -463,4 +512,12 @@ def _family(settings: EngineSettings, counts: PoolCounts) -> tuple:
     """Everything a step program's shapes depend on except the two paged-KV block counts (and
     `kv_tokens`, which no shape reads)."""
     neutral = dataclasses.replace(counts, kv_blocks=0, draft_kv_blocks=0, kv_tokens=0)
-    return (neutral, settings.max_seq_len, settings.kv_cache_dtype, settings.ssm_h_dtype, settings.num_drafts)
+    return (
+        neutral,
+        settings.max_seq_len,
+        settings.kv_cache_dtype,
+        settings.ssm_h_dtype,
+        settings.num_drafts,
+        settings.tensor_parallel_size,
+        settings.expert_parallel_size,
+    )

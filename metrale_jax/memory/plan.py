@@ -15,7 +15,9 @@ Invariants:
   activations are compiled once per distinct shape set, or interpolated in the KV block counts
   from its family's compiled anchor (`ActivationModel.at(exact=False)`).
 - `device_total = weights + pools + activations + runtime reserve` (activations 0 when skipped);
-  fits iff `budget − device_total ≥ 0`.
+  fits iff `budget − device_total ≥ 0`. Every term is one device's: under a tp x ep mesh
+  (`--tensor-parallel-size`, `--expert-parallel-size`) each buffer's shard, from the engine's
+  own layout table (`engine.sharding`), and the budget is one device's.
 - A planner is never built for settings `engine.settings.unsupported` lists (the engine's own
   refusal), so it never says "fits" for a serve the engine would not start.
 """
@@ -29,7 +31,7 @@ from typing import Any
 import jax
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine import pool
+from metrale_jax.engine import pool, sharding
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS, PoolCounts, pool_counts
 from metrale_jax.engine.settings import EngineSettings, unsupported
 from metrale_jax.memory.activations import ActivationModel, Activations
@@ -162,12 +164,21 @@ POOL_GROUPS = {
 
 def pool_terms(config: ModelConfig, counts: PoolCounts, settings: EngineSettings, dtype: Any) -> tuple[Term, ...]:
     """The engine's buffers for `counts`, exactly as `allocate_pool` builds them (traced
-    abstractly), one term each, named by the engine's `POOL_LABELS`."""
-    shapes = jax.eval_shape(lambda: pool.allocate_pool(config, counts, settings, dtype=dtype))
+    abstractly), one term each, named by the engine's `POOL_LABELS`: per device under the
+    settings' tp x ep mesh (`sharding.abstract_pool`: each term is one device's shard, its shape
+    the shard's)."""
+    shapes = sharding.abstract_pool(config, counts, settings, dtype=dtype, mesh=sharding.planning_mesh(settings))
+    leaves = jax.tree_util.tree_leaves(shapes)
     return tuple(
-        Term(pool.POOL_LABELS.get(name, name), POOL_GROUPS.get(name, name), size, dt, shape)
-        for name, shape, dt, size in pool.pool_buffers(shapes)
+        Term(pool.POOL_LABELS.get(name, name), POOL_GROUPS.get(name, name), sharding.device_bytes(x), dt, _shard(x))
+        for (name, _, dt, _), x in zip(pool.pool_buffers(shapes), leaves)
     )
+
+
+def _shard(x) -> tuple[int, ...]:
+    """One device's shape of a (sharded) shape struct."""
+    s = getattr(x, "sharding", None)
+    return tuple(s.shard_shape(tuple(x.shape))) if s is not None else tuple(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,6 +105,14 @@ def _activation_lines(r: Report) -> list[str]:
     return lines
 
 
+def _mesh_lines(s) -> list[str]:
+    """The mesh line of a sharded serve (none for one device)."""
+    tp, ep = s.tensor_parallel_size, s.expert_parallel_size
+    if tp * ep == 1:
+        return []
+    return [f"mesh: {tp * ep} devices (tensor parallel {tp} x expert parallel {ep}); every figure below is per device"]
+
+
 def render_text(r: Report) -> str:
     """The human-readable report."""
     ev = r.evaluation
@@ -122,6 +130,7 @@ def render_text(r: Report) -> str:
         f"serve flags: {' '.join(r.serve_flags) or 'none'}",
         f"device: {r.device.id} ({r.device.name}): {r.device.memory_bytes / GIB:.2f} GiB x util "
         f"{util} = budget {ev.budget / GIB:.2f} GiB" + (" (unified memory)" if r.device.unified else ""),
+        *_mesh_lines(s),
         f"workload: ISL {w.isl} + OSL {w.osl} tokens, concurrency {w.concurrency}",
         f"slots: {c.real_slots} (+1 dummy); {spec}; KV {c.kv_blocks} blocks of {c.block_size}"
         " tokens"
@@ -223,6 +232,8 @@ def render_json(r: Report) -> str:
             "unified": r.device.unified,
             "gpu_memory_utilization": ev.settings.gpu_memory_utilization,
             "budget_bytes": ev.budget,
+            "tensor_parallel_size": ev.settings.tensor_parallel_size,
+            "expert_parallel_size": ev.settings.expert_parallel_size,
         },
         "workload": {"isl": w.isl, "osl": w.osl, "concurrency": w.concurrency},
         "settings": [dataclasses.asdict(p) for p in r.settings_table],

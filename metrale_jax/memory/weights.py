@@ -13,7 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,21 +47,27 @@ def _fold(items: Iterable[tuple[str, int, str]]) -> tuple[Term, ...]:
     return tuple(Term(g, WEIGHTS, size, "+".join(sorted(dts)), (), n) for g, (size, dts, n) in rows.items())
 
 
-def weight_terms(source: ModelSource, dtype: Any) -> tuple[Term, ...]:
-    """The served weights of `source`, one term per group.
+def weight_terms(source: ModelSource, dtype: Any, divisors: Mapping[tuple, int] | None = None) -> tuple[Term, ...]:
+    """The served weights of `source`, one term per group: one device's share when `divisors`
+    ({parameter path: devices its leaf is split over}, `engine.sharding.param_divisors`) is given.
 
     From the headers when `source` has tensors on disk (their stored dtype), else from the
     shapes of the loader's bindings for the config, at `dtype`.
     """
+    share = (lambda path: 1) if divisors is None else (lambda path: divisors.get(tuple(path), 1))
     if source.bindings:
         return _fold(
-            (weight_group(b.path), source.tensors[n].end - source.tensors[n].start, source.tensors[n].dtype)
+            (
+                weight_group(b.path),
+                (source.tensors[n].end - source.tensors[n].start) // share(b.path),
+                source.tensors[n].dtype,
+            )
             for b in source.bindings
             for n in b.names
         )
     itemsize, name = np.dtype(dtype).itemsize, str(np.dtype(dtype))
     return _fold(
-        (weight_group(b.path), int(np.prod(shape, dtype=np.int64)) * itemsize, name)
+        (weight_group(b.path), int(np.prod(shape, dtype=np.int64)) * itemsize // share(b.path), name)
         for b in bindings(source.config)
         for shape in b.shapes
     )

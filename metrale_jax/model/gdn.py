@@ -6,7 +6,8 @@ The stateful parts (which state a row starts from, where its state goes) belong 
 
 Shapes: B batch, T rows, C = conv_dim = 2*nk*dk + nv*dv, Kc = conv kernel width.
 Conv channel order: all q, then all k, then all v (Qwen3-Next's interleaved projection is
-de-interleaved at load time, so params always hold the split Qwen3.5 form).
+de-interleaved at load time, so params always hold the split Qwen3.5 form), group-major under a
+tensor axis (`linear.split_groups`: each key-head group's q, k and v channels together).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.linear import linear, linear_parts
+from metrale_jax.model.linear import linear, linear_parts, split_groups, tensor_groups
 from metrale_jax.model.norms import gated_rms_norm
 from metrale_jax.params import gdn_in_rows
 
@@ -60,9 +61,9 @@ def split_qkv(y, cfg: ModelConfig):
     b_, t = y.shape[:2]
     nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     y = y.astype(jnp.float32)
-    q = y[..., : cfg.key_dim].reshape(b_, t, nk, dk)
-    k = y[..., cfg.key_dim : 2 * cfg.key_dim].reshape(b_, t, nk, dk)
-    v = y[..., 2 * cfg.key_dim :].reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    q, k, v = split_groups(y, (cfg.key_dim, cfg.key_dim, cfg.value_dim), tensor_groups())
+    q, k = q.reshape(b_, t, nk, dk), k.reshape(b_, t, nk, dk)
+    v = v.reshape(b_, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     l2 = lambda x: x * jax.lax.rsqrt(pairwise_sum(x * x)[..., None] + 1e-6)
     return l2(q) * (dk**-0.5), l2(k), v
 

@@ -13,6 +13,8 @@ Invariants:
 - A row's output is a function of that row alone: no form lets one row's values (a padding row's
   NaN included) reach another row's output.
 - The form is a function of the static shape, so one program always runs one form.
+- Under a mesh the experts are split over every device (`EXPERT_AXES`); each device runs its own
+  and the routed outputs are summed over the devices (the only change: that sum's order).
 - No form materialises a layer's expert weights: `dense` and `grouped` contract the whole
   [E, ...] leaves in place (batched over experts); `pairs` copies out the one selected expert
   each loop step runs (on XLA CPU a product's operand is a buffer of its own, so a slice that
@@ -26,10 +28,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.linear import linear, linear_parts
+from metrale_jax.model.linear import EXPERT_AXES, linear, linear_parts, mesh_devices
 from metrale_jax.params import dense_in_rows, moe_in_rows
 
 MoeForm = Literal["dense", "pairs", "grouped"]
@@ -158,11 +161,33 @@ def _grouped(x, top_i, top_w, gate_up, down, inter: int, capacity: int):
     return ordered_sum(out.reshape(n, k, hd) * top_w[..., None], axis=-2)
 
 
+def _on_local_experts(run, n: int, x, top_i, top_w, gate_up, down):
+    """`run(x, top_i, top_w, gate_up, down)` with the experts split over the n devices of
+    `EXPERT_AXES`: each device runs its own experts (the pairs routed elsewhere get weight 0 and
+    expert 0, so every form keeps its shapes) and the routed outputs are summed over the devices.
+    NOTE: under `shard_map`, not the partitioner: a loop's dynamic index into an expert axis split
+    over devices would make XLA gather every expert's weights onto each device."""
+    local = gate_up.shape[0] // n
+
+    def body(x, top_i, top_w, gate_up, down):
+        rel = top_i - jax.lax.axis_index(EXPERT_AXES) * local
+        mine = (rel >= 0) & (rel < local)
+        y = run(x, jnp.where(mine, rel, 0), jnp.where(mine, top_w, jnp.zeros_like(top_w)), gate_up, down)
+        return jax.lax.psum(y, EXPERT_AXES)
+
+    experts = PartitionSpec(EXPERT_AXES)
+    rows = PartitionSpec()
+    return jax.shard_map(body, in_specs=(rows, rows, rows, experts, experts), out_specs=rows, check_vma=False)(
+        x, top_i, top_w, gate_up, down
+    )
+
+
 def moe(p, x, cfg: ModelConfig):
     """Sparse MoE block. x: [..., Hd]. p: w_in [E + 2Is + 1, Hd] (router, shared-expert gate and
     up, shared-expert gate scalar), gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I],
     shared_down [Hd, Is]. The routed experts run in the form `moe_form` picks for the row count."""
-    logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg))
+    # NOTE: w_in is replicated (its router and one-row shared gate do not split over heads): groups=1.
+    logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg), groups=1)
     logits32 = logits.astype(jnp.float32)
     e = jnp.exp(logits32 - jnp.max(logits32, axis=-1, keepdims=True))
     probs = e / pairwise_sum(e)[..., None]  # softmax, with a shape-invariant sum
@@ -175,13 +200,18 @@ def moe(p, x, cfg: ModelConfig):
     top_i, top_w = top_i.reshape(rows, -1), top_w.astype(x.dtype).reshape(rows, -1)
     if form != "dense":  # the slots in expert order, the order `dense` sums the experts in
         top_i, top_w = jax.lax.sort((top_i, top_w), num_keys=1)
-    args = (x.reshape(rows, hd), top_i, top_w, p["gate_up"], p["down"], cfg.moe_intermediate_size)
-    if form == "pairs":
-        routed = _pairs(*args)
-    elif form == "grouped":
-        routed = _grouped(*args, grouped_capacity(rows, cfg))
-    else:
-        routed = _dense(*args)
+    inter = cfg.moe_intermediate_size
+
+    def run(x, top_i, top_w, gate_up, down):
+        if form == "pairs":
+            return _pairs(x, top_i, top_w, gate_up, down, inter)
+        if form == "grouped":
+            return _grouped(x, top_i, top_w, gate_up, down, inter, grouped_capacity(rows, cfg))
+        return _dense(x, top_i, top_w, gate_up, down, inter)
+
+    args = (x.reshape(rows, hd), top_i, top_w, p["gate_up"], p["down"])
+    n = mesh_devices(EXPERT_AXES)
+    routed = run(*args) if n == 1 else _on_local_experts(run, n, *args)
     shared = swiglu(shared_gate, shared_up, p["shared_down"]) * jax.nn.sigmoid(shared_scale)
     return routed.reshape(x.shape) + shared
 

@@ -1,0 +1,302 @@
+"""Tensor and expert parallelism: the device mesh and the layout of every parameter and pool leaf.
+
+Owns: `MeshError` and `check_mesh` (the mesh flags against a config and the devices present),
+`make_mesh`, the layout table (`PARAM_LAYOUT`, `POOL_LAYOUT`: each leaf's `PartitionSpec` over its
+trailing axes, stated once), `param_shardings` / `shard_params` / `unshard_params` (weights onto
+the mesh, group-major, and back), `pool_shardings` / `allocate_sharded_pool` / `abstract_pool`
+(the pool on the mesh, or its sharded shapes for the planner), `canonical_pool` / `place_pool`
+(the pool in checkpoint channel order, and back), `device_bytes` (one device's share of a leaf),
+and for the planner `planning_mesh` (the abstract mesh a serve's settings name) and
+`param_divisors` (how many ways each parameter leaf is split).
+
+The mesh has two axes, `ep` (experts) x `tp` (heads). Layout (XLA SPMD propagates the rest; a
+contraction over a sharded axis becomes an all-reduce):
+- attention: q (with its gate) / k / v rows by heads, `wo` by columns (its input rows, reduced);
+  KV cache and the drafter's KV by KV heads;
+- GDN: by key-head groups: group g holds key heads g*nk/N.., their value heads (nv/nk per key
+  head, contiguous) and those heads' q, k, v conv channels, z, b, a rows, dt_bias and A_log;
+  `out` by columns; the live h, verify h rows and checkpoints by value heads, conv windows by
+  channel (group-major);
+- dense MLP: gate/up rows, `down` by columns; MoE experts over every device (`ep` x `tp`, each
+  device runs its own: `model.mlp`); the MoE's stacked router /
+  shared-expert input projection and `shared_down` replicated (the router and the one-row shared
+  gate do not split by heads);
+- embedding, lm_head, norms, the MTP fc and the stash replicated.
+
+Invariants:
+- A row-stacked leaf sharded over `tp` is stored group-major (`model.linear.split_groups`): the
+  tp groups in order, each holding its 1/tp of every part, so a device's rows are its heads of
+  every part and the split after the one product stays on the device. The GDN conv channels
+  (weight, windows) are group-major the same way. With tp = 1 every order is the checkpoint's.
+- Every pool leaf keeps its sharding across transitions (`programs.compile_transition`
+  constrains the returned pool to the donated one's), so a step neither reshards nor copies it.
+- Host bookkeeping (slots, blocks, lengths) is global: no index is per device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.engine.capacity import PoolCounts
+from metrale_jax.engine.pool import EnginePool, allocate_pool, pool_buffers
+from metrale_jax.engine.settings import EngineSettings
+from metrale_jax.errors import MetraleError
+from metrale_jax.model.linear import EXPERT_AXES, EXPERT_AXIS, TENSOR_AXIS
+from metrale_jax.params import attn_in_rows, dense_in_rows, param_specs
+
+TP, EP = TENSOR_AXIS, EXPERT_AXIS
+
+
+class MeshError(MetraleError, ValueError):
+    """Mesh flags the model or the machine cannot take (one line)."""
+
+
+def _gdn_parts(cfg: ModelConfig) -> tuple[int, ...]:
+    """The GDN `w_in` rows as the parts that split by key-head groups: q, k, v (conv channels), z, b, a."""
+    nv = cfg.linear_num_value_heads
+    return (cfg.key_dim, cfg.key_dim, cfg.value_dim, cfg.value_dim, nv, nv)
+
+
+def _conv_parts(cfg: ModelConfig) -> tuple[int, ...]:
+    return (cfg.key_dim, cfg.key_dim, cfg.value_dim)
+
+
+# The layout table: (mixer or block, leaf) -> (PartitionSpec of the leaf's trailing axes, the
+# row parts of a group-major leaf or None). Leaves not named are replicated. "moe" is an MLP with
+# a shared expert. A leading layer-group axis (scan layout) or layer axis (pool) is never sharded.
+Axes = tuple[str | tuple[str, ...] | None, ...]
+PARAM_LAYOUT: dict[tuple[str, str], tuple[Axes, Callable[[ModelConfig], tuple[int, ...]] | None]] = {
+    ("gdn", "w_in"): ((TP, None), _gdn_parts),
+    ("gdn", "conv"): ((TP, None), _conv_parts),
+    ("gdn", "dt_bias"): ((TP,), None),
+    ("gdn", "A_log"): ((TP,), None),
+    ("gdn", "out"): ((None, TP), None),
+    ("attn", "w_in"): ((TP, None), attn_in_rows),
+    ("attn", "wo"): ((None, TP), None),
+    ("mlp", "gate_up"): ((TP, None), dense_in_rows),
+    ("mlp", "down"): ((None, TP), None),
+    ("moe", "gate_up"): ((EXPERT_AXES, None, None), None),
+    ("moe", "down"): ((EXPERT_AXES, None, None), None),
+}
+
+# Pool leaf -> (PartitionSpec of its trailing axes, whether that axis holds group-major GDN conv channels).
+POOL_LAYOUT: dict[str, tuple[tuple[str | None, ...], bool]] = {
+    "trunk.gdn_h": ((TP, None, None), False),  # [.., nv, dk, dv]
+    "trunk.gdn_conv": ((TP, None), True),  # [.., C, Kc]
+    "trunk.kv_k": ((TP, None), False),  # [.., KV, D]
+    "trunk.kv_v": ((TP, None), False),
+    "trunk.verify_h": ((TP, None, None), False),
+    "trunk.verify_conv": ((TP, None), True),
+    "ckpt_h": ((TP, None, None), False),
+    "ckpt_conv": ((TP, None), True),
+    "draft_k": ((TP, None), False),
+    "draft_v": ((TP, None), False),
+    "stash": ((), False),
+}
+
+
+def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
+    """Raise MeshError (one line) unless tp >= 1, ep >= 1, tp divides the attention KV heads, the GDN
+    key heads, the attention heads, the GDN value heads and the dense MLP width, tp * ep divides the
+    experts (ep = 1 without experts), and tp * ep <= devices."""
+    if tp < 1 or ep < 1:
+        raise MeshError(f"--tensor-parallel-size {tp} and --expert-parallel-size {ep} must be >= 1")
+    heads = {
+        "attention KV heads": cfg.num_key_value_heads,
+        "GDN key heads": cfg.linear_num_key_heads,
+        "attention heads": cfg.num_attention_heads,
+        "GDN value heads": cfg.linear_num_value_heads,
+    }
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        heads["dense MLP intermediate size"] = cfg.intermediate_size
+    for what, n in heads.items():
+        if n and n % tp:
+            raise MeshError(f"--tensor-parallel-size {tp} does not divide the model's {n} {what}")
+    experts = cfg.num_experts if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) else 0
+    if ep > 1 and not experts:
+        raise MeshError(f"--expert-parallel-size {ep} needs a model with experts")
+    if experts and experts % (tp * ep):
+        raise MeshError(f"the mesh's {tp} x {ep} devices do not divide the model's {experts} experts")
+    if tp * ep > devices:
+        raise MeshError(f"a mesh of {tp} x {ep} = {tp * ep} devices needs more than the {devices} present")
+
+
+def make_mesh(cfg: ModelConfig, tp: int, ep: int, devices: list | None = None) -> Mesh | None:
+    """The (ep, tp) mesh over the first tp * ep of `devices` (default `jax.devices()`), after
+    `check_mesh`; None for 1 x 1 (the single-device engine)."""
+    devices = jax.devices() if devices is None else devices
+    check_mesh(cfg, tp, ep, len(devices))
+    if tp * ep == 1:
+        return None
+    grid = np.array(devices[: tp * ep], dtype=object).reshape(ep, tp)
+    return Mesh(grid, (EP, TP), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def mesh_sizes(mesh: Mesh | None) -> tuple[int, int]:
+    """(tp, ep) of a mesh; (1, 1) for None."""
+    shape = dict(mesh.shape) if mesh is not None else {}
+    return int(shape.get(TP, 1)), int(shape.get(EP, 1))
+
+
+def planning_mesh(settings: EngineSettings) -> AbstractMesh | None:
+    """The abstract (ep, tp) mesh of `settings`' --tensor/--expert-parallel-size (no devices
+    needed: shardings and shard shapes only); None for 1 x 1."""
+    tp, ep = settings.tensor_parallel_size, settings.expert_parallel_size
+    return None if tp * ep == 1 else AbstractMesh((ep, tp), (EP, TP))
+
+
+def param_divisors(cfg: ModelConfig, tp: int, ep: int) -> dict[tuple, int]:
+    """{parameter path (as `checkpoint.bindings` names it): the number of devices its leaf is split
+    over} under a tp x ep mesh (1: replicated); each device holds 1/divisor of the leaf."""
+    sizes = {TP: tp, EP: ep, None: 1, EXPERT_AXES: tp * ep}
+    tree = _param_layout(param_specs(cfg), cfg, lambda x, trailing, _: math.prod(sizes[a] for a in trailing))
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): n for path, n in leaves}
+
+
+def _spec(trailing: tuple[str | None, ...], ndim: int) -> PartitionSpec:
+    return PartitionSpec(*([None] * (ndim - len(trailing))), *trailing)
+
+
+def _group_major_index(parts: tuple[int, ...], groups: int) -> np.ndarray:
+    """Row order of a group-major leaf: for each group g, rows g/groups.. of every part in turn."""
+    starts = np.cumsum((0, *parts))[:-1]
+    return np.concatenate(
+        [
+            np.arange(s + g * (n // groups), s + (g + 1) * (n // groups))
+            for g in range(groups)
+            for s, n in zip(starts, parts)
+        ]
+    )
+
+
+def _param_layout(params: dict, cfg: ModelConfig, fn: Callable) -> dict:
+    """params with each leaf replaced by fn(leaf, trailing spec, parts or None)."""
+
+    def walk(node, block: str):
+        if isinstance(node, list):
+            return [walk(x, block) for x in node]
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                if isinstance(v, dict | list):
+                    out[k] = walk(v, "moe" if k == "mlp" and isinstance(v, dict) and "shared_down" in v else k)
+                else:
+                    trailing, parts = PARAM_LAYOUT.get((block, k), ((), None))
+                    out[k] = fn(v, trailing, parts(cfg) if parts else None)
+            return out
+        return node
+
+    return walk(params, "")
+
+
+def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh | AbstractMesh) -> dict:
+    """The NamedSharding of every leaf of `params` (list or scan layout, arrays or shape structs)."""
+    return _param_layout(params, cfg, lambda x, trailing, _: NamedSharding(mesh, _spec(trailing, x.ndim)))
+
+
+def _regroup(x, axis: int, parts: tuple[int, ...], tp: int, inverse: bool):
+    """x with its `axis` (checkpoint order, `parts`) put group-major for tp groups, or back (`inverse`)."""
+    if tp == 1:
+        return x
+    index = _group_major_index(parts, tp)
+    return (np if isinstance(x, np.ndarray) else jnp).take(x, np.argsort(index) if inverse else index, axis=axis)
+
+
+def _param_axis(x, trailing: tuple[str | None, ...]) -> int:
+    return x.ndim - len(trailing) + trailing.index(TP)
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """`params` (checkpoint order) on the mesh: group-major leaves reordered for the mesh's tp
+    groups (along the axis the table shards), then each leaf placed with its sharding."""
+    tp, _ = mesh_sizes(mesh)
+
+    def place(x, trailing, parts):
+        x = x if parts is None else _regroup(x, _param_axis(x, trailing), parts, tp, inverse=False)
+        return jax.device_put(x, NamedSharding(mesh, _spec(trailing, x.ndim)))
+
+    return _param_layout(params, cfg, place)
+
+
+def unshard_params(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
+    """`shard_params`'s inverse: every leaf in checkpoint order on the default device."""
+    tp, _ = mesh_sizes(mesh)
+
+    def back(x, trailing, parts):
+        x = jax.device_put(x, jax.devices()[0])
+        return x if parts is None else _regroup(x, _param_axis(x, trailing), parts, tp, inverse=True)
+
+    return _param_layout(params, cfg, back)
+
+
+def pool_shardings(pool, mesh: Mesh | AbstractMesh) -> EnginePool:
+    """The NamedSharding of every leaf of an `EnginePool` (or its `eval_shape`)."""
+    names = [name for name, *_ in pool_buffers(pool)]
+    leaves, tree = jax.tree_util.tree_flatten(pool)
+    return jax.tree_util.tree_unflatten(
+        tree, [NamedSharding(mesh, _spec(POOL_LAYOUT[n][0], x.ndim)) for n, x in zip(names, leaves)]
+    )
+
+
+def abstract_pool(
+    cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings, *, dtype, mesh: Mesh | AbstractMesh | None
+) -> EnginePool:
+    """`jax.eval_shape(allocate_pool, ...)`, each struct carrying its sharding under `mesh` (concrete
+    or abstract)."""
+    shapes = jax.eval_shape(lambda: allocate_pool(cfg, counts, settings, dtype=dtype))
+    if mesh is None:
+        return shapes
+    return jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, pool_shardings(shapes, mesh)
+    )
+
+
+def allocate_sharded_pool(
+    cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings, *, dtype, mesh: Mesh | None
+) -> EnginePool:
+    """`allocate_pool` with every leaf created in place on the mesh (each device zero-fills its shard)."""
+    if mesh is None:
+        return allocate_pool(cfg, counts, settings, dtype=dtype)
+    shardings = pool_shardings(abstract_pool(cfg, counts, settings, dtype=dtype, mesh=None), mesh)
+    return jax.jit(lambda: allocate_pool(cfg, counts, settings, dtype=dtype), out_shardings=shardings)()
+
+
+def _pool_channels(pool, cfg: ModelConfig, tp: int, inverse: bool):
+    """Host copies of every pool leaf, the conv channel axes put group-major for tp (or back)."""
+    names = [name for name, *_ in pool_buffers(pool)]
+    leaves, tree = jax.tree_util.tree_flatten(pool)
+    out = []
+    for name, x in zip(names, leaves):
+        x = np.asarray(jax.device_get(x))
+        trailing, channels = POOL_LAYOUT[name]
+        out.append(_regroup(x, x.ndim - len(trailing), _conv_parts(cfg), tp, inverse) if channels else x)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def canonical_pool(pool: EnginePool, cfg: ModelConfig, mesh: Mesh | None) -> EnginePool:
+    """`pool` on the host with its conv channel axes in checkpoint order (q, k, v): what a
+    single-device engine holds in the same state (for comparing engines)."""
+    return _pool_channels(pool, cfg, mesh_sizes(mesh)[0], inverse=True)
+
+
+def place_pool(pool: EnginePool, cfg: ModelConfig, mesh: Mesh | None) -> EnginePool:
+    """`canonical_pool`'s inverse: a checkpoint-order pool placed on `mesh` (None: the default device)."""
+    grouped = _pool_channels(pool, cfg, mesh_sizes(mesh)[0], inverse=False)
+    if mesh is None:
+        return jax.tree_util.tree_map(jnp.asarray, grouped)
+    return jax.device_put(grouped, pool_shardings(grouped, mesh))
+
+
+def device_bytes(x) -> int:
+    """Bytes one device holds of an array or sharded shape struct (the whole leaf when unsharded)."""
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(tuple(x.shape)) if sharding is not None else tuple(x.shape)
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
