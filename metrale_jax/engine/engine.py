@@ -65,6 +65,8 @@ from metrale_jax.engine.settings import EngineSettings, unsupported
 from metrale_jax.model.layout import arrange_layers
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
+#: The prefix-cache namespace of a serve's sequences (`Engine.default_namespace`).
+SERVE_NAMESPACE = "serve"
 
 
 def make_ops(name: str) -> Ops:
@@ -136,6 +138,8 @@ class Engine:
             if settings.enable_prefix_caching
             else None
         )
+        # the namespace of sequences allocated without one (None: uncached)
+        self.default_namespace: str | None = SERVE_NAMESPACE if self.prefix is not None else None
 
     # ------------------------------------------------------------ forward selection
 
@@ -157,9 +161,11 @@ class Engine:
 
     def alloc_sequence(self, namespace: str | None = None) -> SequenceState:
         """A fresh sequence on the lowest free slot; `namespace`: its prefix-cache namespace
-        (needs --enable-prefix-caching; None: its prefills neither restore nor cache)."""
+        (needs --enable-prefix-caching; None: `default_namespace`, and with that None too, its
+        prefills neither restore nor cache)."""
         if namespace is not None and self.prefix is None:
             raise EngineError("a prefix-cache namespace needs --enable-prefix-caching")
+        namespace = self.default_namespace if namespace is None else namespace
         slot = self.slots.alloc()
         seq = SequenceState(seq_id=self._next_id, slot=slot, namespace=namespace)
         self._next_id += 1
