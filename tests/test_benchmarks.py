@@ -50,7 +50,17 @@ def smoke(tmp_path_factory):
 
 def test_smoke_prints_every_table_and_writes_the_json(smoke):
     res, saved = smoke
-    assert list(saved["sections"]) == ["hf", "hf-300m", "e2e", "compile", "forwards", "gap", "slots", "roofline"]
+    assert list(saved["sections"]) == [
+        "hf",
+        "hf-300m",
+        "e2e",
+        "compile",
+        "forwards",
+        "gap",
+        "slots",
+        "multiturn",
+        "roofline",
+    ]
     assert saved["failed"] == []
     for title in (
         "machine:",
