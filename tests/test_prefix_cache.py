@@ -9,6 +9,7 @@ of the sequence. Against a prefill split elsewhere the bytes differ in the last 
 are not batch-invariant), so generation is compared token for token.
 """
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -16,9 +17,13 @@ import pytest
 from conftest import settings
 from test_engine import _poison_except
 
+from metrale_jax.diff import render_summary, run_diff
+from metrale_jax.diff.prefill import cached_leg
+from metrale_jax.diff.request import CACHED_TAIL, DiffRequest
 from metrale_jax.diff.state import state_parts
+from metrale_jax.diff.variants import REFERENCE, Variant
 from metrale_jax.engine.engine import Engine
-from metrale_jax.engine.prefix_cache import BlockCache, PrefixCache, SnapshotTable, chain_keys
+from metrale_jax.engine.prefix_cache import BlockCache, PrefixCache, Snapshot, SnapshotTable, chain_keys
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 
@@ -297,3 +302,45 @@ def test_block_cache_references_and_namespaces():
     c.acquire([3])
     assert c.release([3, 4, 7]) == [7] and c.refs(3) == 1 and c.evictable == 1
     assert c.release([3]) == [] and c.evict(1) == [4] and c.evict(1) == [3] and c.lookup(b"x") is None
+
+
+# ---------------------------------------------------------------- diff --prefill's cached leg
+
+
+def test_diff_prefill_cached_leg_restores_and_passes(tiny):
+    """`diff --prefill` at L >= 256 primes the prompt, then restores it under the tail on every
+    path and forward; restored == computed byte for byte, and each entry names its path."""
+    cfg, params = tiny
+    eng = Engine(cfg, params, settings(max_batch_size=2, max_seq_len=320, enable_prefix_caching=True))
+    report = run_diff(eng, DiffRequest(steps=2, prefill=(256,), prefill_chunk=(64,)), [Variant("xla-repeat", "xla")])
+    assert report["verdict"] == "PASS", report["reasons"]
+    assert [(e["path"], e["taken"], e["tokens"]) for e in report["cached"]] == [
+        (p, "restored at 256", 256 + CACHED_TAIL) for p in ("single", "chunk 64") * 2
+    ]
+    assert all(c["prefill_equal"] for e in report["cached"] for c in e["comparisons"])
+    assert "restored at 256" in render_summary(report) and eng.slots.live == 0
+
+
+def test_diff_cached_leg_fails_on_a_wrong_snapshot_and_on_no_restore(tiny, monkeypatch):
+    """Planted bugs: a restore from another prefix's snapshot slot FAILs naming a differing state
+    leaf; a leg whose prime left no snapshot FAILs for not restoring."""
+    eng = _engine(tiny)
+    assert eng.prefix is not None
+    prompt, tail = _tokens(30, 64), _tokens(31, 37)
+    ref = Variant(REFERENCE, REFERENCE)
+    _prime(eng, _tokens(32, 64), None, _ns_name())  # another prefix in another snapshot slot
+    right = eng.prefix.longest
+
+    def wrong(namespace, tokens):
+        hit = right(namespace, tokens)
+        other = (hit.snapshot.slot + 1) % eng.prefix.snapshots.n if hit else 0
+        return dataclasses.replace(hit, snapshot=Snapshot(other, hit.snapshot.position)) if hit else None
+
+    monkeypatch.setattr(eng.prefix, "longest", wrong)
+    entry, reason = cached_leg(eng, ref, "single", None, prompt, tail)
+    assert entry["restored_at"] == 64 and reason and "differs" in reason
+    assert entry["comparisons"][0]["state_diff"] is not None
+    monkeypatch.setattr(eng.prefix, "longest", right)
+    monkeypatch.setattr(eng.prefix.snapshots, "claim", lambda key, position: None)
+    entry, reason = cached_leg(eng, ref, "single", None, _tokens(33, 64), tail)
+    assert entry["taken"] == "computed" and reason and "did not restore" in reason
