@@ -306,6 +306,10 @@ def test_warnings_for_settings_that_do_nothing():
     assert "--num-drafts does nothing without --speculative" in r.stdout
     r = tiny("--", "--gpu-memory-utilization", "0.97")
     assert "above H200's ceiling 0.95" in r.stdout
+    r = tiny("--", "--enable-prefix-caching", "--ssm-cache-slots", "0")
+    assert "--ssm-cache-slots 0 keeps no recurrent-state snapshot" in r.stdout
+    r = tiny("--", "--enable-prefix-caching", "--ssm-cache-slots", "4")
+    assert "does nothing without --enable-prefix-caching" not in r.stdout and "no recurrent-state" not in r.stdout
 
 
 def test_slots_what_if_appears_in_the_settings_table():

@@ -113,6 +113,8 @@ def test_restored_prefill_equals_computed_bytewise(tiny, length, tail, chunk, bl
             _assert_same_state(eng, s, r)
             np.testing.assert_allclose(got, plain, rtol=1e-4, atol=1e-4)
             assert q.restored_at == 0
+            copies = {i.name: i.pool_copies for i in eng.programs.info.values() if "snapshot" in i.name}
+            assert set(copies) == {"take_snapshot", "restore_snapshot"} and not any(copies.values())
         finally:
             for x in (q, r, s):
                 eng.free_sequence(x)

@@ -256,7 +256,9 @@ class Engine:
         chunk = min(chunk or self.counts.prefill_chunk, self.counts.prefill_chunk)
         cached = self.prefix is not None and seq.namespace is not None
         fresh = not (seq.seq_len or seq.blocks or seq.draft_blocks)
-        hit = self.prefix.longest(str(seq.namespace), tokens) if cached and fresh and self.prefix else None
+        hit = None
+        if self.prefix is not None and seq.namespace is not None and fresh:
+            hit = self.prefix.longest(seq.namespace, tokens)
         if hit is not None:
             self._map_prefix(seq, hit, tokens)
             tokens = tokens[hit.snapshot.position :]

@@ -22,7 +22,7 @@ class SequenceState:
     """slot: GDN state slot; blocks / draft_blocks: physical KV blocks in logical order; seq_len:
     tokens in the cache; tokens: prompt + generated (committed) tokens; drafter_len: positions
     of drafter context the host considers live; last_num_drafted: drafts of the last propose;
-    namespace: its prefix-cache namespace (None: uncached); restored_at: the position its last
+    namespace: its prefix-cache namespace (None: uncached); restored_at: the position its first
     prefill restored from a snapshot (0: computed); shared_len: positions below it lie in
     prefix-cache blocks (read-only, never rewound into)."""
 

@@ -77,6 +77,11 @@ def warnings_for(planner: Planner, ev: Evaluation) -> tuple[str, ...]:
             f"--ssm-cache-slots {s.ssm_cache_slots} does nothing without "
             "--enable-prefix-caching (no snapshot slots are allocated)"
         )
+    if s.enable_prefix_caching and c.snapshot_slots == 0:
+        out.append(
+            "--enable-prefix-caching with --ssm-cache-slots 0 keeps no recurrent-state snapshot: "
+            "no prefill ever restores"
+        )
     if s.block_size > w.isl:
         out.append(
             f"--block-size {s.block_size} exceeds the ISL {w.isl}: a prompt never fills "
