@@ -346,3 +346,28 @@ def test_diff_cached_leg_fails_on_a_wrong_snapshot_and_on_no_restore(tiny, monke
     monkeypatch.setattr(eng.prefix.snapshots, "claim", lambda key, position: None)
     entry, reason = cached_leg(eng, ref, "single", None, _tokens(33, 64), tail)
     assert entry["taken"] == "computed" and reason and "did not restore" in reason
+
+
+def test_a_refused_restore_gives_its_shared_blocks_back(tiny, monkeypatch):
+    """A restore whose tail cannot be reserved is refused with nothing changed: the shared blocks'
+    references are back, the sequence is still fresh, and a later prefill restores normally."""
+    eng = _engine(tiny)
+    assert eng.prefix is not None
+    ns, prompt = _ns_name(), _tokens(40, 40)
+    _prime(eng, prompt, None, ns)
+    s = eng.alloc_sequence(ns)
+    refs = [eng.prefix.kv.refs(b) for b in range(eng.counts.kv_blocks - 1)]
+    free = eng.blocks.free_count
+
+    def refuse(*args, **kwargs):
+        raise EngineError("KV blocks exhausted")
+
+    monkeypatch.setattr(eng, "_reserve", refuse)
+    with pytest.raises(EngineError, match="exhausted"):
+        eng.prefill(s, prompt + [1])
+    assert (s.blocks, s.draft_blocks, s.seq_len, s.tokens) == ([], [], 0, [])
+    assert [eng.prefix.kv.refs(b) for b in range(eng.counts.kv_blocks - 1)] == refs and eng.blocks.free_count == free
+    monkeypatch.undo()
+    eng.prefill(s, prompt + [1])
+    assert s.restored_at == 32
+    eng.free_sequence(s)
