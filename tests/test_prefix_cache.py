@@ -9,8 +9,10 @@ of the sequence. Against a prefill split elsewhere the bytes differ in the last 
 are not batch-invariant), so generation is compared token for token.
 """
 
+import collections
 import dataclasses
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -371,3 +373,51 @@ def test_a_refused_restore_gives_its_shared_blocks_back(tiny, monkeypatch):
     eng.prefill(s, prompt + [1])
     assert s.restored_at == 32
     eng.free_sequence(s)
+
+
+def _check_accounting(eng, live):
+    """Every KV and drafter block is exactly one of: free, cached and unreferenced (the LRU), or
+    held by live sequences (a cached one with as many references as holders, an own one by one)."""
+    assert eng.prefix is not None
+    for alloc, cache, held in (
+        (eng.blocks, eng.prefix.kv, [s.blocks for s in live]),
+        (eng.draft_blocks, eng.prefix.draft, [s.draft_blocks for s in live]),
+    ):
+        free = alloc._free
+        holders = collections.Counter(b for blocks in held for b in blocks)
+        assert len(set(free)) == len(free) and not set(free) & set(holders)
+        for b, n in holders.items():
+            assert cache.refs(b) == n if cache.cached(b) else n == 1, b
+        lru = [b for b in range(alloc._n) if cache.cached(b) and not cache.refs(b)]
+        assert len(lru) == cache.evictable and not set(lru) & set(free) | set(lru) & set(holders)
+        assert len(free) + len(lru) + len(holders) == alloc._n
+
+
+def test_block_accounting_holds_through_random_sharing_and_eviction(tiny):
+    """Random prefills over a few shared prefixes (restores, partial hits, evictions under
+    pressure) and frees in random order: no block is ever free and held, held twice as its own,
+    or leaked."""
+    eng = _engine(tiny)
+    rng = np.random.default_rng(5)
+    ns, stems = _ns_name(), [_tokens(50 + i, 160) for i in range(2)]
+    # all but 40 free blocks away (more than 2 live sequences of up to 220 tokens need): the cache must evict
+    hog = types.SimpleNamespace(blocks=eng.blocks.alloc_many(eng.blocks.free_count - 40), draft_blocks=[])
+    live: list = []
+    restored, evictions = 0, eng.prefix.kv.evictions if eng.prefix else 0
+    try:
+        for _ in range(20):
+            if len(live) == 2 or (live and rng.random() < 0.35):
+                eng.free_sequence(live.pop(int(rng.integers(len(live)))))
+            else:
+                s = eng.alloc_sequence(ns)
+                stem = stems[int(rng.integers(2))][: 32 * int(rng.integers(2, 6))]
+                eng.prefill(s, stem + _tokens(int(rng.integers(1000)), int(rng.integers(1, 60))), 32)
+                live.append(s)
+                restored += s.restored_at > 0
+            _check_accounting(eng, [*live, hog])
+    finally:
+        for s in reversed(live):
+            eng.free_sequence(s)
+        eng.blocks.free_many(hog.blocks)
+    _check_accounting(eng, [])
+    assert restored >= 3 and eng.prefix.kv.evictions > evictions

@@ -57,6 +57,7 @@ class BlockCache:
         self._key: dict[int, Key] = {}
         self._refs: dict[int, int] = {}
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evictions = 0
 
     def lookup(self, key: Key) -> int | None:
         return self._block.get(key)
@@ -105,6 +106,7 @@ class BlockCache:
         out = [self._lru.popitem(last=False)[0] for _ in range(n)]
         for b in out:
             del self._block[self._key.pop(b)], self._refs[b]
+        self.evictions += n
         return out
 
     def evict_block(self, block: int) -> None:
