@@ -421,3 +421,25 @@ def test_block_accounting_holds_through_random_sharing_and_eviction(tiny):
         eng.blocks.free_many(hog.blocks)
     _check_accounting(eng, [])
     assert restored >= 3 and eng.prefix.kv.evictions > evictions
+
+
+def test_the_branch_point_of_a_shared_prefix_gets_a_snapshot(tiny):
+    """A's snapshot lies past the system prompt it shares with B, so B computes, but B's prefill
+    ends a program where it leaves A's cached blocks: C, sharing the same system prompt, restores
+    there, byte-identical to C computed split at that position."""
+    eng = _engine(tiny)
+    ns, system = _ns_name(), _tokens(60, 56)
+    seqs, outs = [], []
+    try:
+        for i in range(3):
+            s = eng.alloc_sequence(ns)
+            outs.append(eng.prefill(s, system + _tokens(61 + i, 9)))
+            seqs.append(s)
+        assert [s.restored_at for s in seqs] == [0, 0, 48]
+        ref, r = _computed(eng, seqs[2].tokens, 48, None)
+        seqs.append(r)
+        np.testing.assert_array_equal(outs[2], ref)
+        _assert_same_state(eng, seqs[2], r)
+    finally:
+        for s in reversed(seqs):
+            eng.free_sequence(s)

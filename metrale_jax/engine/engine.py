@@ -25,7 +25,8 @@ Invariants:
   slot, KV and drafter blocks shared read-only) and computes only the tail; a restored prefill is
   byte-identical to an uncached prefill split at the restore position. Snapshots are taken only
   at the end of prefill programs (committed state). The namespaced prefill also splits at the
-  prompt's last full block, so that position is a program end and gets a snapshot.
+  prompt's last full block and where it leaves the cached KV blocks (the branch point), so those
+  positions are program ends and get snapshots.
 """
 
 from __future__ import annotations
@@ -256,9 +257,10 @@ class Engine:
         chunk = min(chunk or self.counts.prefill_chunk, self.counts.prefill_chunk)
         cached = self.prefix is not None and seq.namespace is not None
         fresh = not (seq.seq_len or seq.blocks or seq.draft_blocks)
-        hit = None
+        hit, branch = None, 0
         if self.prefix is not None and seq.namespace is not None and fresh:
             hit = self.prefix.longest(seq.namespace, tokens)
+            branch = self.prefix.kv_depth(seq.namespace, tokens[:-1]) * self.counts.block_size
         if hit is not None:
             self._map_prefix(seq, hit, tokens)
             tokens = tokens[hit.snapshot.position :]
@@ -267,7 +269,7 @@ class Engine:
         if fresh:
             seq.restored_at = hit.snapshot.position if hit is not None else 0
         static = PrefillStatic(self.cfg, self.counts, self.ops, drafter=self.drafter)
-        for off, end in self._prefill_bounds(seq.seq_len, len(tokens), chunk, cached):
+        for off, end in self._prefill_bounds(seq.seq_len, len(tokens), chunk, cached, branch):
             part = tokens[off:end]
             x = PrefillChunk.padded(self.counts, self.draft_width, self.counts.prefill_bucket(len(part)))
             x.tokens[0, : len(part)] = part
@@ -281,13 +283,16 @@ class Engine:
         seq.drafter_len = seq.seq_len - 1
         return self._fetch(logits)[0]
 
-    def _prefill_bounds(self, start: int, n: int, chunk: int, cached: bool) -> list[tuple[int, int]]:
+    def _prefill_bounds(self, start: int, n: int, chunk: int, cached: bool, branch: int = 0) -> list[tuple[int, int]]:
         """The (offset, end) into the n tokens of a prefill starting at `start` of each program:
-        chunks of `chunk`, and with `cached` one more split at the last full block."""
+        chunks of `chunk`, and with `cached` more splits at the last full block and at `branch`
+        (where the prompt leaves the cached KV blocks: a snapshot there serves the next prompt
+        sharing that prefix)."""
         cuts = set(range(chunk, n, chunk))
-        full = (start + n) // self.counts.block_size * self.counts.block_size - start
-        if cached and 0 < full < n:
-            cuts.add(full)
+        full = (start + n) // self.counts.block_size * self.counts.block_size
+        for at in (full - start, branch - start) if cached else ():
+            if 0 < at < n:
+                cuts.add(at)
         edges = [0, *sorted(cuts), n]
         return list(zip(edges[:-1], edges[1:]))
 

@@ -192,6 +192,11 @@ class PrefixCache:
         its key covers one token past the block."""
         return chain_keys(namespace, DRAFTER, tokens, self.draft_block_size, extra=1)
 
+    def kv_depth(self, namespace: str, tokens: Sequence[int]) -> int:
+        """How many leading full KV blocks of `tokens` are cached (in this namespace)."""
+        keys = self.kv_keys(namespace, tokens)
+        return next((j for j, k in enumerate(keys) if self.kv.lookup(k) is None), len(keys))
+
     def longest(self, namespace: str, tokens: Sequence[int]) -> Hit | None:
         """The longest restorable prefix of `tokens` shorter than all of it (a prefill computes at
         least one token): a snapshot at a block-aligned position p whose KV blocks (and drafter
