@@ -18,6 +18,8 @@ into the results section of BUILD_NOTES.md):
              timing of `hf` charges the faster side.
 - `slots`    a one-sequence step against the engine's slot count (a pool copied instead of
              updated in place grows with the slots).
+- `multiturn` conversations sharing a system prompt and their own history, with and without the
+             prefix cache: prompt tokens, tokens prefilled, hit rate, time to first token per turn.
 - `roofline` (`--gpu`) bytes each step must move / measured HBM bandwidth vs the measured step
              time, per kernel and per step, for a Qwen3.5-35B-A3B-size layer stack; a dry run
              with tiny shapes under the interpreter where no GPU is present.
@@ -28,7 +30,7 @@ settings, passed whole to every section's `run`), `report` (the tables, text and
 checkpoints), `steps` (engine step runners), `hf_env` (the HF venv and the driver client),
 `hf_driver` (runs under the HF venv's Python 3.11; imports neither jax nor this package),
 `vs_hf`, `cpu_roofline` (bandwidth and the hf sections' roofline columns), `e2e`, `compile_cost`,
-`forwards`, `idle_gap`, `slot_scaling`, `roofline`.
+`forwards`, `idle_gap`, `slot_scaling`, `multiturn`, `roofline`.
 `gpu_check.py` / `gpu_check.sh` are the kernel device check, which `roofline` reuses;
 `roofline_gpu.sh` is the roofline as one prepared command for a GPU machine. README.md says how
 to run and read it all.

@@ -51,7 +51,7 @@ from benchmarks import report
 from benchmarks.settings import HFSizes, Settings
 from metrale_jax import runtime_env
 
-SECTIONS = ("hf", "hf-45m", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "roofline")
+SECTIONS = ("hf", "hf-45m", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn", "roofline")
 HF_SECTIONS = ("hf", "hf-45m", "hf-300m")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m benchmarks"
@@ -121,6 +121,9 @@ def _log(msg: str) -> None:
 @click.option("--wide-ns", callback=_ints, help="hf-45m, hf-300m: sequences per decode/verify step, default 1,8")
 @click.option("--wide-ks", callback=_ints, help="hf-45m, hf-300m: verify rows per sequence, default 4")
 @click.option("--wide-repeats", type=int, help="hf-45m, hf-300m: timed repeats per case (default 3)")
+@click.option("--multiturn-model", help="multiturn: the model (default qwen3-next-h512; smoke tiny-2L)")
+@click.option("--multiturn-conversations", type=int, help="multiturn: conversations (default 4; smoke 2)")
+@click.option("--multiturn-turns", type=int, help="multiturn: turns per conversation (default 4; smoke 2)")
 @click.option("--e2e-ns", callback=_ints, help="e2e: prompts generated together on small, default 1,4,8")
 @click.option("--e2e-drafts", callback=_ints, help="e2e: drafts per verify on small, default 1,2,3")
 @click.option("--e2e-new-tokens", type=int, help="e2e: tokens per prompt on small, default 96")
@@ -191,9 +194,9 @@ def _resolve(a: dict[str, Any]) -> Settings:
         return v if v is not None else (small if smoke else full)
 
     default_sections = (
-        ["hf", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "roofline"]
+        ["hf", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn", "roofline"]
         if smoke
-        else ["hf", "hf-45m", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots"]
+        else ["hf", "hf-45m", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn"]
     )
     return Settings(
         model=d(a["model"], "tiny", "tiny-2L"),
@@ -227,6 +230,14 @@ def _resolve(a: dict[str, Any]) -> Settings:
         slots_model=d(a["slots_model"], "qwen3-next-48L", "qwen3-next-4L-i2"),
         slot_counts=d(a["slot_counts"], [8, 64], [2, 8]),
         slots_iters=d(a["slots_iters"], 50, 2),
+        multiturn_model=d(a["multiturn_model"], "qwen3-next-h512", "tiny-2L"),
+        multiturn_conversations=d(a["multiturn_conversations"], 4, 2),
+        multiturn_turns=d(a["multiturn_turns"], 4, 2),
+        multiturn_system_len=384 if not smoke else 40,
+        multiturn_user_len=48 if not smoke else 9,
+        multiturn_new_tokens=16 if not smoke else 4,
+        multiturn_block=16,
+        multiturn_chunk=256 if not smoke else 32,
         e2e_ns=d(a["e2e_ns"], [1, 4, 8], [1]),
         e2e_drafts=d(a["e2e_drafts"], [1, 2, 3], [1]),
         e2e_new_tokens=d(a["e2e_new_tokens"], 96, 8),
@@ -334,7 +345,7 @@ def _run(cfg: Settings, opts: dict[str, Any], argv: list[str]) -> dict:
 
 def _section(name: str, cfg: Settings) -> dict:
     """Run one section with the settings `cfg` (`_resolve`); returns its JSON dict."""
-    from benchmarks import anatomy, compile_cost, e2e, forwards, idle_gap, roofline, slot_scaling, vs_hf
+    from benchmarks import anatomy, compile_cost, e2e, forwards, idle_gap, multiturn, roofline, slot_scaling, vs_hf
     from benchmarks.hf_env import ensure_hf_venv
 
     if name in HF_SECTIONS:
@@ -351,6 +362,7 @@ def _section(name: str, cfg: Settings) -> dict:
         "forwards": forwards.run,
         "gap": idle_gap.run,
         "slots": slot_scaling.run,
+        "multiturn": multiturn.run,
         "roofline": roofline.run,
     }
     return runs[name](cfg)

@@ -533,6 +533,39 @@ def anatomy_table(r: dict) -> Table:
     )
 
 
+def multiturn_table(r: dict) -> Table:
+    modes = r["modes"]
+    turns = len(modes["cached"]["ttft_median_s"])
+    rows = [
+        (
+            name,
+            str(m["prompt_tokens"]),
+            str(m["prefill_tokens"]),
+            f"{100 * m['saved']:.0f}%",
+            f"{100 * m['hit_rate']:.0f}%",
+            " ".join(f"{1e3 * x:.1f}" for x in m["ttft_median_s"]),
+            f"{m['ttft_total_s']:.2f}",
+        )
+        for name, m in modes.items()
+    ]
+    headers = (
+        "prefix cache",
+        "prompt tok",
+        "prefilled tok",
+        "saved",
+        "hit rate",
+        f"TTFT ms, turns 1..{turns}",
+        "TTFT s",
+    )
+    return Table(
+        f"Multi-turn: {r['conversations']} conversations x {r['turns']} turns (system prompt {r['system_len']}, "
+        f"user {r['user_len']}, {r['new_tokens']} generated per turn; block {r['block_size']}, prefill chunk "
+        f"{r['prefill_chunk']}), model {r['model']}; TTFT = a turn's prefill, median per turn index; same tokens "
+        f"with and without the cache: {'yes' if r['same_tokens'] else 'NO'}",
+        grids=(Grid(headers, rows, left=(0,)),),
+    )
+
+
 TABLES = {
     "hf": hf_table,
     "hf-45m": hf_table,
@@ -543,6 +576,7 @@ TABLES = {
     "forwards": forwards_table,
     "gap": gap_table,
     "slots": slots_table,
+    "multiturn": multiturn_table,
     "roofline": roofline_table,
 }
 

@@ -59,6 +59,14 @@ class Settings:
     slots_model: str
     slot_counts: list[int]  # slots: the engines' slot counts (max batch)
     slots_iters: int  # slots: timed runs per step
+    multiturn_model: str  # multiturn: the model both engines serve
+    multiturn_conversations: int  # multiturn: conversations sharing the system prompt
+    multiturn_turns: int
+    multiturn_system_len: int  # multiturn: system prompt tokens
+    multiturn_user_len: int  # multiturn: tokens of each turn's user message
+    multiturn_new_tokens: int  # multiturn: tokens generated per turn
+    multiturn_block: int  # multiturn: --block-size
+    multiturn_chunk: int  # multiturn: --max-prefill-tokens (the prefill chunk; its ends are snapshots)
     e2e_ns: list[int]  # e2e: prompts generated together on `small` (its MTP head drafting)
     e2e_drafts: list[int]  # e2e: drafts per verify (one speculative engine each, under its default K ladder)
     e2e_new_tokens: int  # e2e: tokens generated per prompt

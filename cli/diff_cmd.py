@@ -12,8 +12,9 @@ Invariants:
   failed or interrupted diff leaves no report and an earlier one untouched.
 - A K the engine's slots cannot verify is run at the slot's capacity and says so: a `note:`
   line on stderr and the report's `clamped` list.
-- Unless given, `--max-seq-len` is sized to the longest sequence the diff reaches and
-  `--max-batch-size` raised to the slots it holds; the report's settings table says so.
+- Unless given, `--max-seq-len` is sized to the longest sequence the diff reaches,
+  `--max-batch-size` raised to the slots it holds and, for `--prefill`'s cached leg, prefix
+  caching turned on; the report's settings table says so.
 - Progress goes to stderr only.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import click
 
 from metrale_jax.diff import Bar, DiffRequest, default_variants, render_summary, run_diff, to_json
+from metrale_jax.diff.request import CACHED_MIN_TOKENS
 from metrale_jax.diff.variants import known_labels
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.engine import Engine
@@ -62,6 +64,8 @@ def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> Eng
         sized["max_seq_len"] = -(-request.tokens_needed(settings.num_drafts) // 64) * 64
     if "max_batch_size" not in raw and settings.max_batch_size < request.slots_needed():
         sized["max_batch_size"] = str(request.slots_needed())
+    if request.prefill and max(request.prefill) >= CACHED_MIN_TOKENS and "enable_prefix_caching" not in raw:
+        sized["enable_prefix_caching"] = True  # the cached leg
     if not sized:
         return settings
     settings = resolve_settings({**raw, **sized}, behavior, auto_slots=auto)

@@ -59,6 +59,7 @@ def test_smoke_prints_every_table_and_writes_the_json(smoke):
         "forwards",
         "gap",
         "slots",
+        "multiturn",
         "roofline",
     ]
     assert saved["failed"] == []
@@ -123,6 +124,19 @@ def test_e2e_section_generates_the_greedy_tokens_both_ways(smoke):
         assert r["same_tokens"] and r["verify_steps"] > 0
         assert 1 <= r["tokens_per_verify_per_seq"] <= r["drafts"] + 1
         assert r["spec_tok_s"]["median"] > 0 and r["greedy_tok_s"]["median"] > 0 and r["ratio"]["median"] > 0
+
+
+def test_multiturn_section_saves_prefill_tokens_and_generates_the_same_tokens(smoke):
+    """With the prefix cache the conversations prefill fewer tokens than they send, the turns after
+    the first restore, and both engines generate the same tokens."""
+    _, saved = smoke
+    mt = saved["sections"]["multiturn"]
+    on, off = mt["modes"]["cached"], mt["modes"]["uncached"]
+    assert mt["same_tokens"] and on["prompt_tokens"] == off["prompt_tokens"]
+    assert off["prefill_tokens"] == off["prompt_tokens"] and off["hit_rate"] == 0
+    assert on["prefill_tokens"] < on["prompt_tokens"] and on["hit_rate"] > 0
+    assert all(t["restored"] for t in on["turns"] if t["turn"] > 0)
+    assert len(on["ttft_median_s"]) == mt["turns"] and all(x > 0 for x in on["ttft_median_s"])
 
 
 def test_gap_section_times_every_gap_in_every_round(smoke):

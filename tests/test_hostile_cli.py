@@ -412,7 +412,6 @@ CONFIG_CASES = [
 SERVE_CASES = [
     # one set of refusals: the planner refuses what the engine refuses
     Case("memory-speculative-without-mtp", memory_tiny("--speculative"), "no MTP layer"),
-    Case("memory-prefix-caching", memory_tiny("--enable-prefix-caching"), "--enable-prefix-caching"),
     Case("memory-decode-ring", memory_tiny("--ssm-decode-ring-slots", "4"), "--ssm-decode-ring-slots"),
     Case("memory-serve-flag-twice", memory_tiny("--max-seq-len", "100", "--max-seq-len", "200"), "--max-seq-len"),
     Case("memory-serve-flag-unknown", memory_tiny("--max-seq-lenn", "100"), "--max-seq-lenn"),
@@ -426,7 +425,6 @@ SERVE_CASES = [
         "diff-serve-flag-twice", diff_tiny("--steps", "4", "--block-size", "16", "--block-size", "32"), "--block-size"
     ),
     Case("diff-flag-pair-twice", diff_tiny("--steps", "4", "--speculative", "--no-speculative"), "--speculative"),
-    Case("diff-prefix-caching", diff_tiny("--steps", "4", "--enable-prefix-caching"), "--enable-prefix-caching"),
     Case("diff-verify-k-range", diff_tiny("--steps", "4", "--verify", "5", "--speculative"), "K must be in 2..4"),
     Case("diff-two-modes", diff_tiny("--steps", "4", "--verify", "2", "--swap"), "give one mode"),
     Case("diff-steps-not-int", diff_tiny("--steps", "many"), "--steps"),

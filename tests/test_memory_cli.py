@@ -145,11 +145,15 @@ def test_json_report_is_versioned_and_consistent():
     assert rows["--speculative"] == {"setting": "--speculative", "requested": "on", "effective": "on", "rule": "flag"}
 
 
-def test_planned_bytes_equal_what_allocate_pool_really_allocates():
-    """Planned == allocated: the JSON's pools against a real allocation of the tiny model."""
-    d = json.loads(tiny("--json").stdout)
+@pytest.mark.parametrize("caching", [False, True])
+def test_planned_bytes_equal_what_allocate_pool_really_allocates(caching):
+    """Planned == allocated: the JSON's pools against a real allocation of the tiny model (with
+    prefix caching: its snapshot slots, counted by `pool_counts`, as pool leaves)."""
+    flags = ["--", "--enable-prefix-caching", "--ssm-cache-slots", "5"] if caching else []
+    d = json.loads(tiny("--json", *flags).stdout)
     cfg = PRESETS["tiny"][0]
     raw = {
+        **({"enable_prefix_caching": True, "ssm_cache_slots": 5} if caching else {}),
         "max_seq_len": 512,
         "max_batch_size": "12",
         "block_size": 16,
@@ -165,6 +169,8 @@ def test_planned_bytes_equal_what_allocate_pool_really_allocates():
     allocated = [(list(shape), nbytes) for _, shape, _, nbytes in pool_buffers(real)]
     assert allocated == [(p["shape"], p["bytes"]) for p in d["pools"]]
     assert sum(x.nbytes for x in jax.tree_util.tree_leaves(real)) == sum(d["totals"]["pools"].values())
+    snapshots = [p["shape"] for p in d["pools"] if p["group"] == "prefix snapshots"]
+    assert [s[0] if len(s) == 2 else s[1] for s in snapshots] == [5] * (5 if caching else 0)
 
 
 def test_weights_are_the_parameter_shapes():
@@ -300,6 +306,10 @@ def test_warnings_for_settings_that_do_nothing():
     assert "--num-drafts does nothing without --speculative" in r.stdout
     r = tiny("--", "--gpu-memory-utilization", "0.97")
     assert "above H200's ceiling 0.95" in r.stdout
+    r = tiny("--", "--enable-prefix-caching", "--ssm-cache-slots", "0")
+    assert "--ssm-cache-slots 0 keeps no recurrent-state snapshot" in r.stdout
+    r = tiny("--", "--enable-prefix-caching", "--ssm-cache-slots", "4")
+    assert "does nothing without --enable-prefix-caching" not in r.stdout and "no recurrent-state" not in r.stdout
 
 
 def test_slots_what_if_appears_in_the_settings_table():

@@ -10,6 +10,8 @@ Invariants:
 - Sequence i sits on `schedule.slot_of(i, n, fragment)`; anything else means another live
   sequence shares the engine, and the run refuses to start (`LayoutError`).
 - Every sequence (spare and spacer included) is freed on exit, also when the run raises.
+- With prefix caching on, every batch's sequences get a namespace of their own (a fresh counter
+  value unless the caller names one), so no run restores another run's KV or snapshot.
 - Prompts are prefilled in chunks of `PREFILL_CHUNK` tokens, the engine's smallest prefill
   bucket, so every prompt of every run uses one compiled prefill program per forward (the
   prefill is not what these runs compare; `--prefill` diffs the chunking itself).
@@ -17,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +32,12 @@ from metrale_jax.engine.sequences import SequenceState
 from metrale_jax.errors import MetraleError
 
 PREFILL_CHUNK = MIN_PREFILL_BUCKET
+_RUNS = itertools.count()
+
+
+def private_namespace() -> str:
+    """A prefix-cache namespace no other diff run uses."""
+    return f"diff-run-{next(_RUNS)}"
 
 
 class LayoutError(MetraleError, RuntimeError):
@@ -36,15 +45,18 @@ class LayoutError(MetraleError, RuntimeError):
 
 
 class SequenceBatch:
-    """`n` sequences of `engine` for one run; `seqs` in batch order (see the module docstring)."""
+    """`n` sequences of `engine` for one run; `seqs` in batch order (see the module docstring).
+    `namespace`: their prefix-cache namespace (default: a private one when the engine caches)."""
 
-    def __init__(self, engine: Engine, n: int, fragment: bool = False):
+    def __init__(self, engine: Engine, n: int, fragment: bool = False, namespace: str | None = None):
         self.engine, self.n, self.fragment = engine, n, fragment
+        cached = engine.prefix is not None
+        self.namespace = (namespace or private_namespace()) if cached else None
         self.seqs: list[SequenceState] = []
         self._allocated: list[SequenceState] = []
 
     def _alloc(self) -> SequenceState:
-        seq = self.engine.alloc_sequence()
+        seq = self.engine.alloc_sequence(self.namespace)
         self._allocated.append(seq)
         return seq
 

@@ -15,6 +15,11 @@ Invariants:
   GDN chunking, so it is declared bounded (`CHUNK_RTOL`).
 - The control prefills the longest prompt with its middle token changed (reference forward,
   single pass); its logits must differ.
+- The cached leg (prompts of `CACHED_MIN_TOKENS` or more, prefix caching on): per forward and
+  path, prime the prompt in a private namespace, then prefill it plus a `CACHED_TAIL`-token tail
+  in the same namespace. It must restore (FAIL otherwise), and its logits and state must equal,
+  byte for byte, the same forward's uncached prefill of the same tokens split at the restore
+  position (a private namespace of its own: nothing to restore). Each entry names the path taken.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import time
 from collections.abc import Sequence
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, bounded, combine, compare, diff_parts
-from metrale_jax.diff.layout import SequenceBatch
+from metrale_jax.diff.layout import SequenceBatch, private_namespace
 from metrale_jax.diff.progress import Progress
 from metrale_jax.diff.prompts import prompt_of_len
 from metrale_jax.diff.report import failure_line
+from metrale_jax.diff.request import CACHED_MIN_TOKENS, CACHED_TAIL
 from metrale_jax.diff.state import digests, state_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, selected
 from metrale_jax.engine.engine import Engine
@@ -44,6 +50,45 @@ def run_prefill(engine: Engine, prompt: Sequence[int], chunk: int | None) -> tup
         ms = (time.perf_counter() - t0) * 1e3
         record = engine.save_sequence_state(batch.seqs[0])
     return Run(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), ms
+
+
+def _prefilled_run(
+    engine: Engine, parts: Sequence[Sequence[int]], chunk: int | None, namespace: str
+) -> tuple[Run, int]:
+    """A fresh sequence of `namespace` prefilled with each of `parts` in turn: (its run, the last
+    prefill's logits and the state parts; the position its first prefill restored from, 0: none)."""
+    with SequenceBatch(engine, 1, namespace=namespace) as batch:
+        seq = batch.seqs[0]
+        logits = engine.prefill(seq, parts[0], chunk)
+        at = seq.restored_at
+        for p in parts[1:]:
+            logits = engine.prefill(seq, p, chunk)
+        record = engine.save_sequence_state(seq)
+    return Run(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), at
+
+
+def cached_leg(engine: Engine, v: Variant, name: str, chunk: int | None, prompt: list[int], tail: list[int]):
+    """One (forward, path) of the cached leg (module docstring). Returns (entry, reason or None)."""
+    ns, full = private_namespace(), prompt + tail
+    with selected(engine, v.forward):
+        _prefilled_run(engine, [prompt], chunk, ns)  # prime
+        restored, at = _prefilled_run(engine, [full], chunk, ns)
+        computed, _ = _prefilled_run(engine, [full[:at], full[at:]] if at else [full], chunk, private_namespace())
+    taken = f"restored at {at}" if at else "computed"
+    c = compare(f"{v.label}, {name}, L={len(full)}, {taken}", computed, restored, BIT_IDENTICAL)
+    entry = {
+        "tokens": len(full),
+        "path": name,
+        "forward": v.forward,
+        "taken": taken,
+        "restored": at > 0,
+        "restored_at": at,
+        "comparisons": [{**c.to_json(), "state_diff": _first_state_diff(computed, restored)}],
+    }
+    where = f"prefill cached L={len(full)}"
+    if not at:
+        return entry, f"{where}, {v.label}, {name}: did not restore the primed prompt (computed)"
+    return entry, None if c.ok else failure_line(where, c)
 
 
 def _splits(length: int, chunk: int | None, cap: int) -> tuple[int, ...]:
@@ -72,7 +117,7 @@ def diff_prefill(
     forwards = [Variant(REFERENCE, REFERENCE)] + list(variants)
     paths = [("single", None)] + [(f"chunk {c}", c) for c in chunks]
     chunked = bounded(CHUNK_RTOL, "another chunking: other program shapes and GDN chunk boundaries")
-    sections, reasons, refs = [], [], {}
+    sections, reasons, refs, cached = [], [], {}, []
     for length in lengths:
         prompt = prompt_of_len(length, vocab)
         progress.section(f"prefill L={length}", len(forwards) * len(paths))
@@ -105,6 +150,15 @@ def diff_prefill(
                 "timings": timings,
             }
         )
+        if length >= CACHED_MIN_TOKENS and engine.prefix is not None:
+            progress.section(f"prefill cached L={length}+{CACHED_TAIL}", len(forwards) * len(paths))
+            tail = prompt_of_len(CACHED_TAIL + 1, vocab)[1:]
+            for v in forwards:
+                for name, chunk in paths:
+                    entry, reason = cached_leg(engine, v, name, chunk, prompt, tail)
+                    cached.append(entry)
+                    reasons += [reason] if reason else []
+                    progress.advance()
     longest = max(lengths)
     prompt = prompt_of_len(longest, vocab)
     prompt[longest // 2] = (prompt[longest // 2] + 1) % vocab
@@ -117,4 +171,7 @@ def diff_prefill(
     )
     if control.prefill_equal:
         reasons.append("the prefill detection control saw no difference after changing a token")
-    return {"lengths": sections, "detection_control": control.to_json()}, reasons
+    fields = {"lengths": sections, "cached": cached, "detection_control": control.to_json()}
+    if engine.prefix is None and longest >= CACHED_MIN_TOKENS:
+        fields["cached_skipped"] = "the engine serves without --enable-prefix-caching"
+    return fields, reasons

@@ -164,6 +164,13 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
             )
             for s in report["lengths"]
         ]
+        cached = [c for e in report.get("cached", []) for c in e["comparisons"]]
+        if cached:
+            title = "prefill cached leg: prime L, then L + the tail in its namespace: restored vs computed"
+            extra = [f"  first differing state: {c['variant']}: {c['state_diff']}" for c in cached if c["state_diff"]]
+            out.append((title, cached, None, extra))
+        if "cached_skipped" in report:
+            out[-1][3].append(f"  cached leg skipped: {report['cached_skipped']}")
     else:
         moves = "; ".join(f"slot {m['slot'][0]}->{m['slot'][1]}" for m in report["moves"])
         record = {(True, True): "equal", (False, True): "within", (False, False): "DIFFERS"}

@@ -19,6 +19,8 @@ import dataclasses
 from metrale_jax.diff.schedule import slot_of
 from metrale_jax.errors import MetraleError
 
+#: `--prefill`'s cached leg runs for prompts of at least this many tokens, with a tail this long.
+CACHED_MIN_TOKENS, CACHED_TAIL = 256, 37
 MODES = ("default", "batch", "verify", "verify-batch", "prefill", "swap")
 K_RANGE = (2, 4)
 
@@ -115,7 +117,7 @@ class DiffRequest:
         single_prompt = 23 + 41 * (self.prompts - 1 if self.mode == "default" else 0)
         prompt = batch_prompt if self.batch or self.verify_batch else single_prompt
         if self.prefill:
-            return max(self.prefill) + 2
+            return max(self.prefill) + (CACHED_TAIL if max(self.prefill) >= CACHED_MIN_TOKENS else 0) + 2
         if self.ks:
             return prompt + self.steps * max(self.ks) + num_drafts + 3
         return prompt + self.steps + 2

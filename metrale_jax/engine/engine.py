@@ -20,6 +20,13 @@ Invariants:
 - Every device-to-host transfer goes through `_fetch`.
 - Every program input is built by its `engine.inputs` constructor (padding rows included) and
   only its real rows are filled in here; every count and width comes from `capacity`.
+- Prefix caching (`--enable-prefix-caching`, sequences allocated with a namespace): a fresh
+  sequence's prefill restores the longest cached block-aligned prefix (snapshot copied into its
+  slot, KV and drafter blocks shared read-only) and computes only the tail; a restored prefill is
+  byte-identical to an uncached prefill split at the restore position. Snapshots are taken only
+  at the end of prefill programs (committed state). The namespaced prefill also splits at the
+  prompt's last full block and where it leaves the cached KV blocks (the branch point), so those
+  positions are program ends and get snapshots.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from metrale_jax.engine.inputs import (
     ProposeBatch,
     ProposeStatic,
     SequenceAddress,
+    SnapshotCopy,
     SpeculativeStatic,
     StashBatch,
     StepBatch,
@@ -51,6 +59,7 @@ from metrale_jax.engine.inputs import (
     SwapRecord,
     VerdictBatch,
 )
+from metrale_jax.engine.prefix_cache import Hit, PrefixCache
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
 from metrale_jax.engine.settings import EngineSettings, unsupported
@@ -65,6 +74,8 @@ from metrale_jax.engine.sharding import (
 from metrale_jax.model.layout import arrange_layers
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
+#: The prefix-cache namespace of a serve's sequences (`Engine.default_namespace`).
+SERVE_NAMESPACE = "serve"
 
 
 def make_ops(name: str) -> Ops:
@@ -145,6 +156,14 @@ class Engine:
         self._verifies = 0  # verifies run (`Verified.serial`)
         self._verified: dict[int, Verified] = {}  # seq_id -> its verify, until its verdict is committed
         self.draft_width = draft_table_width(settings.max_seq_len)  # MBd, the drafter tables' width
+        c = self.counts
+        self.prefix = (
+            PrefixCache(c.block_size, c.draft_block_size, c.snapshot_slots, self.drafter)
+            if settings.enable_prefix_caching
+            else None
+        )
+        # the namespace of sequences allocated without one (None: uncached)
+        self.default_namespace: str | None = SERVE_NAMESPACE if self.prefix is not None else None
 
     # ------------------------------------------------------------ forward selection
 
@@ -179,9 +198,15 @@ class Engine:
 
     # ------------------------------------------------------------ sequences
 
-    def alloc_sequence(self) -> SequenceState:
+    def alloc_sequence(self, namespace: str | None = None) -> SequenceState:
+        """A fresh sequence on the lowest free slot; `namespace`: its prefix-cache namespace
+        (needs --enable-prefix-caching; None: `default_namespace`, and with that None too, its
+        prefills neither restore nor cache)."""
+        if namespace is not None and self.prefix is None:
+            raise EngineError("a prefix-cache namespace needs --enable-prefix-caching")
+        namespace = self.default_namespace if namespace is None else namespace
         slot = self.slots.alloc()
-        seq = SequenceState(seq_id=self._next_id, slot=slot)
+        seq = SequenceState(seq_id=self._next_id, slot=slot, namespace=namespace)
         self._next_id += 1
         return seq
 
@@ -189,9 +214,15 @@ class Engine:
         if seq.freed:
             raise EngineError(f"sequence {seq.seq_id} was already freed")
         self.slots.free(seq.slot)
-        self.blocks.free_many(seq.blocks)
-        self.draft_blocks.free_many(seq.draft_blocks)
+        self._release_blocks(seq.blocks, seq.draft_blocks)
         seq.blocks, seq.draft_blocks, seq.freed = [], [], True
+
+    def _release_blocks(self, blocks: list[int], draft_blocks: list[int]) -> None:
+        """Give back a sequence's blocks: cached ones lose a reference, the rest are freed."""
+        if self.prefix is not None:
+            blocks, draft_blocks = self.prefix.kv.release(blocks), self.prefix.draft.release(draft_blocks)
+        self.blocks.free_many(blocks)
+        self.draft_blocks.free_many(draft_blocks)
 
     def _reserve(self, seqs: Sequence[SequenceState], upto: Sequence[int], held: tuple[int, int] | None = None) -> None:
         """Give each sequence KV blocks (and drafter blocks) for positions < upto[i]; all or none.
@@ -223,6 +254,7 @@ class Engine:
                 raise EngineError(f"{held} (KV, drafter) blocks per sequence exceed this engine's {most}")
             need = [max(0, held[0] - len(s.blocks)) for s in seqs]
             dneed = [max(0, held[1] - len(s.draft_blocks)) for s in seqs]
+        self._make_room(sum(need), sum(dneed))
         if sum(need) > self.blocks.free_count:
             raise EngineError(f"KV blocks exhausted: {sum(need)} needed, {self.blocks.free_count} free")
         if sum(dneed) > self.draft_blocks.free_count:
@@ -230,6 +262,17 @@ class Engine:
         for s, n, dn in zip(seqs, need, dneed):
             s.blocks += self.blocks.alloc_many(n)
             s.draft_blocks += self.draft_blocks.alloc_many(dn)
+
+    def _make_room(self, need: int, dneed: int) -> None:
+        """Evict least recently used unreferenced cached blocks so that `need` KV and `dneed`
+        drafter blocks are free, only when that suffices for both (else nothing changes)."""
+        if self.prefix is None:
+            return
+        short = max(0, need - self.blocks.free_count), max(0, dneed - self.draft_blocks.free_count)
+        if short[0] > self.prefix.kv.evictable or short[1] > self.prefix.draft.evictable:
+            return
+        self.blocks.free_many(self.prefix.kv.evict(short[0]))
+        self.draft_blocks.free_many(self.prefix.draft.evict(short[1]))
 
     @staticmethod
     def _set_tables(block_tables: np.ndarray, draft_tables: np.ndarray, i: int, seq: SequenceState) -> None:
@@ -241,16 +284,31 @@ class Engine:
 
     def prefill(self, seq: SequenceState, tokens: Sequence[int], chunk: int | None = None) -> np.ndarray:
         """Prefill `tokens` (appended after the sequence's cache) in chunks of at most
-        `chunk` (default: the serve's prefill chunk). Returns the last position's logits [V] f32."""
+        `chunk` (default: the serve's prefill chunk). Returns the last position's logits [V] f32.
+        A namespaced fresh sequence first restores the longest cached prefix (`seq.restored_at`,
+        0 when it computed everything); a namespaced prefill caches its full blocks and takes a
+        snapshot at every block-aligned program end (module docstring)."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise EngineError("prefill of zero tokens")
         self._check_tokens(tokens)
         chunk = min(chunk or self.counts.prefill_chunk, self.counts.prefill_chunk)
-        self._reserve([seq], [seq.seq_len + len(tokens) + 1])
+        cached = self.prefix is not None and seq.namespace is not None
+        fresh = not (seq.seq_len or seq.blocks or seq.draft_blocks)
+        hit, branch = None, 0
+        if self.prefix is not None and seq.namespace is not None and fresh:
+            hit = self.prefix.longest(seq.namespace, tokens)
+            branch = self.prefix.kv_depth(seq.namespace, tokens[:-1]) * self.counts.block_size
+        if hit is not None:
+            self._map_prefix(seq, hit, tokens)
+            tokens = tokens[hit.snapshot.position :]
+        else:
+            self._reserve([seq], [seq.seq_len + len(tokens) + 1])
+        if fresh:
+            seq.restored_at = hit.snapshot.position if hit is not None else 0
         static = PrefillStatic(self.cfg, self.counts, self.ops, drafter=self.drafter)
-        for off in range(0, len(tokens), chunk):
-            part = tokens[off : off + chunk]
+        for off, end in self._prefill_bounds(seq.seq_len, len(tokens), chunk, cached, branch):
+            part = tokens[off:end]
             x = PrefillChunk.padded(self.counts, self.draft_width, self.counts.prefill_bucket(len(part)))
             x.tokens[0, : len(part)] = part
             x.start[0], x.length[0], x.slot[0] = seq.seq_len, len(part), seq.slot
@@ -258,8 +316,70 @@ class Engine:
             logits, self.pool = self.programs.run("prefill_chunk", tr.prefill_chunk, static, self.pool, self.params, x)
             seq.seq_len += len(part)
             seq.tokens += part
+            if cached:
+                self._cache_prefix(seq)
         seq.drafter_len = seq.seq_len - 1
         return self._fetch(logits)[0]
+
+    def _prefill_bounds(self, start: int, n: int, chunk: int, cached: bool, branch: int = 0) -> list[tuple[int, int]]:
+        """The (offset, end) into the n tokens of a prefill starting at `start` of each program:
+        chunks of `chunk`, and with `cached` more splits at the last full block and at `branch`
+        (where the prompt leaves the cached KV blocks: a snapshot there serves the next prompt
+        sharing that prefix)."""
+        cuts = set(range(chunk, n, chunk))
+        full = (start + n) // self.counts.block_size * self.counts.block_size
+        for at in (full - start, branch - start) if cached else ():
+            if 0 < at < n:
+                cuts.add(at)
+        edges = [0, *sorted(cuts), n]
+        return list(zip(edges[:-1], edges[1:]))
+
+    def _map_prefix(self, seq: SequenceState, hit: Hit, tokens: list[int]) -> None:
+        """Restore `hit` (a prefix of `tokens`) into fresh `seq`: share its blocks, reserve the
+        rest for the whole prompt (all or nothing: a refusal gives the shared blocks back), then
+        copy the snapshot (state, stash, partial drafter block) into the sequence's slot and its
+        own drafter block."""
+        assert self.prefix is not None
+        p = hit.snapshot.position
+        self.prefix.kv.acquire(hit.blocks)
+        self.prefix.draft.acquire(hit.draft_blocks)
+        seq.blocks, seq.draft_blocks = list(hit.blocks), list(hit.draft_blocks)
+        try:
+            self._reserve([seq], [len(tokens) + 1])
+        except EngineError:
+            self._release_blocks(seq.blocks, seq.draft_blocks)
+            seq.blocks, seq.draft_blocks = [], []
+            raise
+        x = SnapshotCopy.padded(self.counts)
+        x.slot[...], x.snap[...] = seq.slot, hit.snapshot.slot
+        if self.drafter:
+            x.draft_block[...] = seq.draft_blocks[(p - 1) // self.counts.draft_block_size]
+        self.pool = self.programs.run("restore_snapshot", tr.restore_snapshot, None, self.pool, x)
+        seq.seq_len, seq.tokens, seq.shared_len, seq.drafter_len = p, tokens[:p], p, p - 1
+
+    def _cache_prefix(self, seq: SequenceState) -> None:
+        """After a prefill program of namespaced `seq`: cache its full KV blocks and the drafter
+        blocks whose pairs are all committed, and at a block-aligned length take a snapshot into a
+        slot the snapshot LRU gives (none: no slots, or that prefix has one already)."""
+        assert self.prefix is not None and seq.namespace is not None
+        ns, n = seq.namespace, seq.seq_len
+        keys = self.prefix.kv_keys(ns, seq.tokens)
+        for key, block in zip(keys, seq.blocks):
+            self.prefix.kv.register(key, block)
+        if self.drafter:
+            for key, block in zip(self.prefix.draft_keys(ns, seq.tokens), seq.draft_blocks):
+                self.prefix.draft.register(key, block)
+        seq.shared_len = max(seq.shared_len, len(keys) * self.counts.block_size)
+        if n % self.counts.block_size or not keys:
+            return
+        snap = self.prefix.snapshots.claim(keys[-1], n)
+        if snap is None:
+            return
+        x = SnapshotCopy.padded(self.counts)
+        x.slot[...], x.snap[...] = seq.slot, snap.slot
+        if self.drafter:
+            x.draft_block[...] = seq.draft_blocks[(n - 1) // self.counts.draft_block_size]
+        self.pool = self.programs.run("take_snapshot", tr.take_snapshot, None, self.pool, x)
 
     @staticmethod
     def _fetch(x: jax.Array) -> np.ndarray:
@@ -527,6 +647,11 @@ class Engine:
         overwritten before it is ever read)."""
         if not 0 <= rejected <= seq.seq_len:
             raise EngineError(f"cannot rewind {rejected} rows of sequence {seq.seq_id}")
+        if seq.seq_len - rejected < seq.shared_len:
+            raise EngineError(
+                f"cannot rewind sequence {seq.seq_id} below {seq.shared_len}: those positions are in shared "
+                "prefix-cache blocks"
+            )
         seq.seq_len -= rejected
         del seq.tokens[len(seq.tokens) - rejected :]
 

@@ -1,7 +1,7 @@
 """The typed inputs of the engine's compiled programs, and the one constructor of each.
 
 Owns: one `flax.struct.PyTreeNode` per program input kind (`PrefillChunk`, `StepBatch`,
-`ProposeBatch`, `VerdictBatch`, `StashBatch`, `SequenceAddress`), the frozen static part of the
+`ProposeBatch`, `VerdictBatch`, `StashBatch`, `SequenceAddress`, `SnapshotCopy`), the frozen static part of the
 programs that run the model (`PrefillStatic`, `StepStatic`, `ProposeStatic`, `SpeculativeStatic`:
 the fused speculative step takes a verify's `StepBatch`), the swap-out record (`SwapArrays` on
 device, `SwapRecord` with the host facts), and `abstract`.
@@ -252,6 +252,24 @@ class SequenceAddress(struct.PyTreeNode):
             slot=np.asarray(counts.dummy_slot, np.int32),
             blocks=_full((counts.max_blocks_per_seq,), counts.null_block),
             draft_blocks=_full((draft_width,), counts.draft_null_block),
+        )
+
+
+class SnapshotCopy(struct.PyTreeNode):
+    """One copy between a sequence slot and a prefix-cache snapshot slot (either way)."""
+
+    slot: Array  # [] the sequence slot
+    snap: Array  # [] the snapshot slot
+    draft_block: Array  # [] the drafter block holding the snapshot position - 1 (null: none)
+
+    @classmethod
+    def padded(cls, counts: PoolCounts) -> SnapshotCopy:
+        """The dummy slot, the null drafter block and snapshot slot `snapshot_slots` (out of range:
+        a copy into it is dropped)."""
+        return cls(
+            slot=np.asarray(counts.dummy_slot, np.int32),
+            snap=np.asarray(counts.snapshot_slots, np.int32),
+            draft_block=np.asarray(counts.draft_null_block, np.int32),
         )
 
 

@@ -15,6 +15,11 @@ Layout (L_lin GDN layers, L_full attention layers, L_mtp MTP layers; units from 
 - draft_k/draft_v  [L_mtp, draft_kv_blocks, 16, KV, D]  the MTP head's own paged KV
 - stash            [slots, Hd]  per slot: the pre-norm hidden of the last processed trunk row,
                    the one the next propose pairs with the last sampled token
+- snap_h / snap_conv [L_lin, snapshot_slots, ...]  prefix-cache recurrent-state snapshots (the
+                   live h and conv of a slot after a block-aligned prefill position)
+- snap_stash       [snapshot_slots, Hd]  with a drafter: the snapshot's stash row
+- snap_draft_k/v   [L_mtp, snapshot_slots, 16, KV, D]  with a drafter: the snapshot's partial
+                   drafter block (its full blocks are shared through the prefix cache)
 Slot `slots - 1` is the padding dummy nothing real ever uses.
 """
 
@@ -43,6 +48,11 @@ class EnginePool(struct.PyTreeNode):
     draft_k: jax.Array | None
     draft_v: jax.Array | None
     stash: jax.Array | None
+    snap_h: jax.Array | None = None
+    snap_conv: jax.Array | None = None
+    snap_stash: jax.Array | None = None
+    snap_draft_k: jax.Array | None = None
+    snap_draft_v: jax.Array | None = None
 
 
 # Human names of the pools, in report order (the memory planner's rows).
@@ -58,6 +68,11 @@ POOL_LABELS = {
     "draft_k": "MTP drafter KV K",
     "draft_v": "MTP drafter KV V",
     "stash": "accepted-hidden stash",
+    "snap_h": "prefix-cache snapshot h (Marconi slots)",
+    "snap_conv": "prefix-cache snapshot conv",
+    "snap_stash": "prefix-cache snapshot stash",
+    "snap_draft_k": "prefix-cache snapshot drafter block K",
+    "snap_draft_v": "prefix-cache snapshot drafter block V",
 }
 
 
@@ -87,6 +102,9 @@ def allocate_pool(cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings
     )
     ck = counts.checkpoint_slots
     drafter = counts.drafter
+    sn = counts.snapshot_slots
+    dsn = sn if drafter else 0
+    draft_unit = (counts.draft_block_size, *kv_unit)
     return EnginePool(
         trunk=trunk,
         ckpt_h=zeros((nl, ck, *h_unit), hdt) if ck else None,
@@ -94,6 +112,11 @@ def allocate_pool(cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings
         draft_k=zeros((nm, counts.draft_kv_blocks, counts.draft_block_size, *kv_unit), kvdt) if drafter else None,
         draft_v=zeros((nm, counts.draft_kv_blocks, counts.draft_block_size, *kv_unit), kvdt) if drafter else None,
         stash=zeros((counts.stash_rows, cfg.hidden_size), dtype) if drafter else None,
+        snap_h=zeros((nl, sn, *h_unit), hdt) if sn else None,
+        snap_conv=zeros((nl, sn, *conv_unit), dtype) if sn else None,
+        snap_stash=zeros((dsn, cfg.hidden_size), dtype) if dsn else None,
+        snap_draft_k=zeros((nm, dsn, *draft_unit), kvdt) if dsn else None,
+        snap_draft_v=zeros((nm, dsn, *draft_unit), kvdt) if dsn else None,
     )
 
 

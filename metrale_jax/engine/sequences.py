@@ -21,7 +21,10 @@ class EngineError(MetraleError, RuntimeError):
 class SequenceState:
     """slot: GDN state slot; blocks / draft_blocks: physical KV blocks in logical order; seq_len:
     tokens in the cache; tokens: prompt + generated (committed) tokens; drafter_len: positions
-    of drafter context the host considers live; last_num_drafted: drafts of the last propose."""
+    of drafter context the host considers live; last_num_drafted: drafts of the last propose;
+    namespace: its prefix-cache namespace (None: uncached); restored_at: the position its first
+    prefill restored from a snapshot (0: computed); shared_len: positions below it lie in
+    prefix-cache blocks (read-only, never rewound into)."""
 
     seq_id: int
     slot: int
@@ -32,6 +35,9 @@ class SequenceState:
     drafter_len: int = 0
     last_num_drafted: int = 0
     freed: bool = False
+    namespace: str | None = None
+    restored_at: int = 0
+    shared_len: int = 0
 
 
 class SlotAllocator:

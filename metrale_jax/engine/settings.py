@@ -335,8 +335,6 @@ def unsupported(settings: EngineSettings, cfg: ModelConfig) -> list[str]:
     """The settings this engine cannot serve `cfg` with, one line each (empty: it can). The
     `Engine` refuses to start on any of them and the planner refuses to plan them."""
     out = []
-    if settings.enable_prefix_caching:
-        out.append("--enable-prefix-caching (prefix snapshots are not implemented by this engine)")
     if settings.ssm_decode_ring_slots:
         out.append("--ssm-decode-ring-slots > 0 (this engine has no decode-rollback ring)")
     if settings.speculative and cfg.num_mtp_layers == 0:

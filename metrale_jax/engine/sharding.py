@@ -15,8 +15,8 @@ contraction over a sharded axis becomes an all-reduce):
   KV cache and the drafter's KV by KV heads;
 - GDN: by key-head groups: group g holds key heads g*nk/N.., their value heads (nv/nk per key
   head, contiguous) and those heads' q, k, v conv channels, z, b, a rows, dt_bias and A_log;
-  `out` by columns; the live h, verify h rows and checkpoints by value heads, conv windows by
-  channel (group-major);
+  `out` by columns; the live h, verify h rows, checkpoints and prefix-cache snapshots by value
+  heads, conv windows by channel (group-major);
 - dense MLP: gate/up rows, `down` by columns; MoE experts over every device (`ep` x `tp`, each
   device runs its own: `model.mlp`); the MoE's stacked router /
   shared-expert input projection and `shared_down` replicated (the router and the one-row shared
@@ -99,6 +99,11 @@ POOL_LAYOUT: dict[str, tuple[tuple[str | None, ...], bool]] = {
     "draft_k": ((TP, None), False),
     "draft_v": ((TP, None), False),
     "stash": ((), False),
+    "snap_h": ((TP, None, None), False),  # prefix-cache snapshots: as the live state they copy
+    "snap_conv": ((TP, None), True),
+    "snap_stash": ((), False),
+    "snap_draft_k": ((TP, None), False),
+    "snap_draft_v": ((TP, None), False),
 }
 
 

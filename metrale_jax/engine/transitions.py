@@ -3,7 +3,8 @@
 Owns: prefill (one chunk of one sequence), decode / batched verify rows (write-on-accept), the GDN
 fold of accepted rows, the conv commit, the hidden stash, the MTP drafter's batched propose, the
 fused speculative step (all of a scheduler step in one program: verify, greedy acceptance, stash,
-fold, commit, propose) and swap-out/swap-in of a sequence's state. The engine (`engine.py`)
+fold, commit, propose), swap-out/swap-in of a sequence's state, and the prefix cache's copies
+between a sequence slot and a snapshot slot. The engine (`engine.py`)
 compiles each once per shape bucket and donates the pool (the first argument); nothing here syncs
 with the host.
 
@@ -392,5 +393,47 @@ def write_sequence_state(pool: EnginePool, arrays: inputs.SwapArrays, at: inputs
             stash=pool.stash.at[at.slot].set(arrays.stash),
             draft_k=pool.draft_k.at[:, at.draft_blocks].set(arrays.draft_k),
             draft_v=pool.draft_v.at[:, at.draft_blocks].set(arrays.draft_v),
+        )
+    return pool
+
+
+def take_snapshot(pool: EnginePool, x: inputs.SnapshotCopy) -> EnginePool:
+    """Prefix-cache snapshot: snapshot slot x.snap takes sequence slot x.slot's live GDN h and conv
+    window (every recurrent layer) and, with a drafter, its stash row and drafter block
+    x.draft_block. Called only at the end of a prefill program (committed state, never a verify's
+    rows). An out-of-range x.snap (padding) copies nothing. Donated: pool."""
+    assert pool.snap_h is not None and pool.snap_conv is not None
+    h, c = _live(pool)
+    pool = pool.replace(
+        snap_h=pool.snap_h.at[:, x.snap].set(h[:, x.slot], mode="drop"),
+        snap_conv=pool.snap_conv.at[:, x.snap].set(c[:, x.slot], mode="drop"),
+    )
+    if pool.snap_stash is not None:
+        assert pool.stash is not None and pool.draft_k is not None and pool.draft_v is not None
+        assert pool.snap_draft_k is not None and pool.snap_draft_v is not None
+        pool = pool.replace(
+            snap_stash=pool.snap_stash.at[x.snap].set(pool.stash[x.slot], mode="drop"),
+            snap_draft_k=pool.snap_draft_k.at[:, x.snap].set(pool.draft_k[:, x.draft_block], mode="drop"),
+            snap_draft_v=pool.snap_draft_v.at[:, x.snap].set(pool.draft_v[:, x.draft_block], mode="drop"),
+        )
+    return pool
+
+
+def restore_snapshot(pool: EnginePool, x: inputs.SnapshotCopy) -> EnginePool:
+    """The inverse of `take_snapshot`: sequence slot x.slot's live GDN h and conv (and stash row
+    and drafter block x.draft_block, the sequence's own) become snapshot slot x.snap's. The
+    sequence's other state (shared KV blocks, the drafter's full blocks) is mapped by the host.
+    Donated: pool."""
+    assert pool.snap_h is not None and pool.snap_conv is not None
+    h, c = _live(pool)
+    t = pool.trunk.replace(gdn_h=h.at[:, x.slot].set(pool.snap_h[:, x.snap]))
+    pool = pool.replace(trunk=t.replace(gdn_conv=c.at[:, x.slot].set(pool.snap_conv[:, x.snap])))
+    if pool.snap_stash is not None:
+        assert pool.stash is not None and pool.draft_k is not None and pool.draft_v is not None
+        assert pool.snap_draft_k is not None and pool.snap_draft_v is not None
+        pool = pool.replace(
+            stash=pool.stash.at[x.slot].set(pool.snap_stash[x.snap]),
+            draft_k=pool.draft_k.at[:, x.draft_block].set(pool.snap_draft_k[:, x.snap]),
+            draft_v=pool.draft_v.at[:, x.draft_block].set(pool.snap_draft_v[:, x.snap]),
         )
     return pool

@@ -72,10 +72,15 @@ def warnings_for(planner: Planner, ev: Evaluation) -> tuple[str, ...]:
     """Settings that silently do nothing (or less than asked) for `ev`'s workload."""
     s, c, w = ev.settings, ev.counts, ev.workload
     out = []
-    if s.ssm_cache_slots > 0 and _explicit(s, "--ssm-cache-slots"):  # prefix caching is refused (`Planner`)
+    if s.ssm_cache_slots > 0 and not s.enable_prefix_caching and _explicit(s, "--ssm-cache-slots"):
         out.append(
             f"--ssm-cache-slots {s.ssm_cache_slots} does nothing without "
             "--enable-prefix-caching (no snapshot slots are allocated)"
+        )
+    if s.enable_prefix_caching and c.snapshot_slots == 0:
+        out.append(
+            "--enable-prefix-caching with --ssm-cache-slots 0 keeps no recurrent-state snapshot: "
+            "no prefill ever restores"
         )
     if s.block_size > w.isl:
         out.append(

@@ -159,6 +159,11 @@ POOL_GROUPS = {
     "draft_k": "mtp drafter kv",
     "draft_v": "mtp drafter kv",
     "stash": "hidden stash",
+    "snap_h": "prefix snapshots",
+    "snap_conv": "prefix snapshots",
+    "snap_stash": "prefix snapshots",
+    "snap_draft_k": "prefix snapshots",
+    "snap_draft_v": "prefix snapshots",
 }
 
 
