@@ -13,6 +13,9 @@ Invariants:
   lock-step with the composed transitions, each step from one pool (`verify.run_fused`); it is
   declared bit-identical (the fused program runs the same transitions, fenced from each other by
   optimization barriers) and runs in the verify modes of a snapshot-rollback engine only.
+- `oracle` replays the reference's committed tokens through the plain path only (`diff.oracle`):
+  bounded (`oracle.ORACLE_CONTRACT`); it runs in the verify modes and `--swap` (there: a run that
+  never spilled, bit-identical).
 - Another forward (`pallas`) is declared bit-identical where its kernels run under the Pallas
   interpreter (CPU: each kernel is byte-equal to its reference twin and the state IO fences
   them, so the whole forward is; tests/test_forward_select.py) and bounded where they are
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
+from metrale_jax.diff.oracle import ORACLE, ORACLE_CONTRACT
 from metrale_jax.engine.engine import FORWARDS, make_ops
 
 REFERENCE = "xla"
@@ -41,6 +45,9 @@ OTHER_FORWARD_RTOL = 1e-3
 FUSED = "fused"
 #: The modes the fused step's variant runs in.
 FUSED_MODES = ("verify", "verify-batch")
+#: The modes the oracle runs in (elsewhere the reference already is the plain path, and
+#: `--prefill` compares every chunking with the one-pass prefill).
+ORACLE_MODES = ("verify", "verify-batch", "swap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +59,11 @@ class Variant:
     label: str
     forward: str
     contract: Contract = BIT_IDENTICAL
-    step: Literal["composed", "fused"] = "composed"
+    step: Literal["composed", "fused", "oracle"] = "composed"
 
 
 def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant], list[dict]]:
-    """(variants, unavailable): `xla-repeat`, `fused` and every non-reference engine forward,
+    """(variants, unavailable): `xla-repeat`, `fused`, `oracle` and every non-reference engine forward,
     optionally restricted to the labels in `names`; a forward whose ops cannot be built is
     reported as {name, reason} instead (e.g. its kernels fail to import)."""
     wanted = None if names is None else set(names)
@@ -66,6 +73,9 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
             continue
         if label == FUSED:
             variants.append(Variant(FUSED, REFERENCE, BIT_IDENTICAL, step="fused"))
+            continue
+        if label == ORACLE:
+            variants.append(Variant(ORACLE, REFERENCE, ORACLE_CONTRACT, step="oracle"))
             continue
         forward = REFERENCE if label == "xla-repeat" else label
         try:
@@ -84,15 +94,22 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
 
 
 def known_labels() -> list[str]:
-    return ["xla-repeat", FUSED] + [f for f in FORWARDS if f != REFERENCE]
+    return ["xla-repeat", FUSED, ORACLE] + [f for f in FORWARDS if f != REFERENCE]
 
 
 def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Variant], list[dict]]:
     """(the variants `mode` runs on `engine`, {name, reason} of those it cannot run): the fused
-    step's variant runs only in the verify modes, on a snapshot-rollback engine."""
+    step's variant runs only in the verify modes, on a snapshot-rollback engine; the oracle in
+    `ORACLE_MODES`."""
     runs, skipped = [], []
     for v in variants:
-        if v.step == "fused" and mode not in FUSED_MODES:
+        if v.step == "oracle" and mode not in ORACLE_MODES:
+            why = "--prefill compares every chunking with the one-pass prefill" if mode == "prefill" else None
+            reason = why or "the reference of this mode is the plain path already"
+            skipped.append(
+                {"name": v.label, "reason": f"the oracle runs in --verify, --verify-batch and --swap ({reason})"}
+            )
+        elif v.step == "fused" and mode not in FUSED_MODES:
             skipped.append({"name": v.label, "reason": "the fused speculative step runs in --verify / --verify-batch"})
         elif v.step == "fused" and engine.replay:
             skipped.append({"name": v.label, "reason": "the fused speculative step needs snapshot rollback"})
