@@ -269,7 +269,8 @@ def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Prog
 def _never_spilled(engine, v: Variant, prompt, ref: Decoded, at: int, progress: Progress):
     """The swap's oracle: the reference's tokens decoded by a sequence that never spilled, its
     logits every step and its state after the last compared with the spilled reference's
-    (bit-identical: the same programs at the same shapes, only the slot and blocks differ).
+    (bit-identical, `v.contract`: the same programs at the same shapes, only the slot and
+    blocks differ).
     Returns (comparison, control: the same with the token of step `at` changed)."""
 
     def with_final(d: Decoded) -> Run:
@@ -283,9 +284,9 @@ def _never_spilled(engine, v: Variant, prompt, ref: Decoded, at: int, progress: 
             )
 
     reference = with_final(ref)
-    c = compare(f"{v.label} (never spilled)", reference, never(ref.tokens), BIT_IDENTICAL)
+    c = compare(f"{v.label} (never spilled)", reference, never(ref.tokens), v.contract)
     changed = never(_changed(ref.tokens, 0, at, engine.cfg.vocab_size))
-    return c, compare(f"{v.label}, token changed at step {at}", reference, changed, BIT_IDENTICAL)
+    return c, compare(f"{v.label}, token changed at step {at}", reference, changed, v.contract)
 
 
 def _swap_comparison(cfg, label: str, ref: Decoded, ref_record: list[Part], run: Decoded, contract, at: int) -> dict:

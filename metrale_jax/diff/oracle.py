@@ -21,11 +21,12 @@ with the reference's committed view:
   last accepted draft, whose argmax is the emitted token), then its state after the step; then,
   with the drafter, the propose's last-draft logits, drafts and confidences.
 
-Contract (`ORACLE_CONTRACT`): bounded, `ORACLE_RTOL` times each part's max |ref| (the prefill is
+Contract (`oracle_contract`): bounded, `ORACLE_RTOL` times each part's max |ref| (the prefill is
 one pass against the reference's chunks of `layout.PREFILL_CHUNK`, a verify's rows are one
 program and a decode's another: XLA CPU fuses and rounds them differently), every argmax equal
 and every token (drafts, committed tokens) exact; a structural difference (a sequence whose
-host length or drafter length differs) breaks it.
+host length or drafter length differs) breaks it. With a KV cache (or model) narrower than
+float32 the bound is `ORACLE_RTOL_ROUNDED`.
 
 Invariants:
 - The oracle never calls `verify_batched`, `accept`, `speculative_step`, the stash, fold,
@@ -42,18 +43,32 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from metrale_jax.diff.compare import Comparison, Part, Run, bounded, compare
+from metrale_jax.diff.compare import Comparison, Contract, Part, Run, bounded, compare
 from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.schedule import offsets
 from metrale_jax.diff.state import state_parts
 
 #: The oracle variant's label (and its engine forward is the reference's).
 ORACLE = "oracle"
-#: The oracle's declared bound (f32 model): a verify and a decode, a chunked and a one-pass
-#: prefill round differently (a few ULP of a part's largest value), while a state-handling bug
-#: moves a logit or a state element by O(1) of that value.
-ORACLE_RTOL = 5e-3
+#: The oracle's declared bound where the model and the KV cache are float32: a verify and a
+#: decode, a chunked and a one-pass prefill round differently (a few ULP of a part's largest
+#: value; tolerance: 25x the largest such difference measured, see BUILD_NOTES), while a
+#: state-handling bug moves a logit or a state element by far more.
+ORACLE_RTOL = 1e-4
+#: The bound where the KV cache (or the model) rounds to a narrower type: a rounding-level
+#: difference of a row then flips the rounding of a KV element now and then (one step of that
+#: type), which the propose's chained drafts read back (10x the largest measured).
+ORACLE_RTOL_ROUNDED = 5e-3
 ORACLE_CONTRACT = bounded(ORACLE_RTOL, "the plain path: one-pass prefill, decodes instead of verify rows")
+
+
+def oracle_contract(engine) -> Contract:
+    """The oracle's contract on `engine`: `ORACLE_RTOL` with a float32 model and KV cache, else
+    `ORACLE_RTOL_ROUNDED`."""
+    exact = engine.settings.kv_cache_dtype == "f32" and np.dtype(engine.dtype) == np.float32
+    if exact:
+        return ORACLE_CONTRACT
+    return bounded(ORACLE_RTOL_ROUNDED, "the plain path, and a KV cache or model that rounds to a narrower type")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +173,10 @@ def broke_from(c: Comparison, at: int) -> bool:
 
 
 def oracle_comparison(
-    engine, rows, ks, log, ref: Run, states, *, fragment: bool, num_drafts: int | None
+    engine, rows, ks, log, ref: Run, states, contract: Contract, *, fragment: bool, num_drafts: int | None
 ) -> tuple[Comparison, Comparison, int]:
-    """(the oracle against the reference's committed view, its control, the control's step)."""
+    """(the oracle against the reference's committed view under `contract`, its control, the
+    control's step)."""
     steps = committed_steps(log, ref, ks)
     view = committed_view(engine.cfg, ref, log, ks, states, bool(num_drafts))
     run = run_oracle(engine, rows, steps, fragment=fragment, num_drafts=num_drafts)
@@ -169,4 +185,4 @@ def oracle_comparison(
         engine, rows, changed_commit(steps, at, seq, engine.cfg.vocab_size), fragment=fragment, num_drafts=num_drafts
     )
     label = f"{ORACLE}, sequence {seq}'s committed token changed (step {at})"
-    return compare(ORACLE, view, run, ORACLE_CONTRACT), compare(label, view, changed, ORACLE_CONTRACT), at
+    return compare(ORACLE, view, run, contract), compare(label, view, changed, contract), at

@@ -14,8 +14,8 @@ Invariants:
   declared bit-identical (the fused program runs the same transitions, fenced from each other by
   optimization barriers) and runs in the verify modes of a snapshot-rollback engine only.
 - `oracle` replays the reference's committed tokens through the plain path only (`diff.oracle`):
-  bounded (`oracle.ORACLE_CONTRACT`); it runs in the verify modes and `--swap` (there: a run that
-  never spilled, bit-identical).
+  bounded (`oracle.oracle_contract`, set by `applicable` for the engine); it runs in the verify
+  modes and `--swap` (there: a run that never spilled, bit-identical).
 - Another forward (`pallas`) is declared bit-identical where its kernels run under the Pallas
   interpreter (CPU: each kernel is byte-equal to its reference twin and the state IO fences
   them, so the whole forward is; tests/test_forward_select.py) and bounded where they are
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
-from metrale_jax.diff.oracle import ORACLE, ORACLE_CONTRACT
+from metrale_jax.diff.oracle import ORACLE, ORACLE_CONTRACT, oracle_contract
 from metrale_jax.engine.engine import FORWARDS, make_ops
 
 REFERENCE = "xla"
@@ -100,9 +100,12 @@ def known_labels() -> list[str]:
 def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Variant], list[dict]]:
     """(the variants `mode` runs on `engine`, {name, reason} of those it cannot run): the fused
     step's variant runs only in the verify modes, on a snapshot-rollback engine; the oracle in
-    `ORACLE_MODES`."""
+    `ORACLE_MODES`, under the contract of `engine` (`oracle.oracle_contract`; in `--swap`
+    bit-identical: a sequence that never spilled runs the spilled one's programs)."""
     runs, skipped = [], []
     for v in variants:
+        if v.step == "oracle":
+            v = dataclasses.replace(v, contract=BIT_IDENTICAL if mode == "swap" else oracle_contract(engine))
         if v.step == "oracle" and mode not in ORACLE_MODES:
             why = "--prefill compares every chunking with the one-pass prefill" if mode == "prefill" else None
             reason = why or "the reference of this mode is the plain path already"

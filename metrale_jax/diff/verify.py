@@ -296,7 +296,7 @@ def diff_verify(
                 with selected(engine, v.forward):
                     if v.step == "oracle":
                         c, control, oracle_at = oracle_comparison(
-                            engine, rows, ks, log, ref, states, fragment=fragment, num_drafts=nd
+                            engine, rows, ks, log, ref, states, v.contract, fragment=fragment, num_drafts=nd
                         )
                         comparisons.append(dataclasses.replace(c, variant=v.label))
                         oracle_control = oracle_control or control
