@@ -113,6 +113,8 @@ def _control(c: dict | None) -> list[str]:
     if c is None:
         return []
     seen = c["mismatched_steps"] > 0 if c["steps"] else not c["prefill_equal"]
+    if c["contract"].startswith("bounded"):  # a bounded control fires when it breaks its contract
+        seen = not c["ok"]
     if c["steps"]:
         what = f"{c['mismatched_steps']}/{c['steps']} steps differ"
     else:
