@@ -53,6 +53,7 @@ SHARED_MUTANTS = {
     "padding-slot-0": "a verify's padding sequences address slot 0 instead of the dummy slot",
     "block-table-off-by-one": "a verify's block table entry j holds the sequence's block j + 1",
     "restore-skips-conv": "a swap-in restores everything but the GDN conv window",
+    "checkpoint-restore-skips-conv": "replay rollback's checkpoint restore puts back the GDN h but not the conv window",
 }
 
 
@@ -83,7 +84,8 @@ class MutantEngine(Engine):
         run = self.programs.run
 
         def planted_run(name, fn, static, *args):
-            if self.shared == "restore-skips-conv" and name == "write_state":
+            skips = {"restore-skips-conv": "write_state", "checkpoint-restore-skips-conv": "restore_ckpt"}
+            if name == skips.get(self.shared or ""):
                 kept = jnp.array(args[0].trunk.gdn_conv)  # a copy: the program takes the pool donated
                 pool = run(name, fn, static, *args)
                 return pool.replace(trunk=pool.trunk.replace(gdn_conv=kept))

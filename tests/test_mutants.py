@@ -7,8 +7,9 @@ wrong-row stash.
 Where each bug first shows follows from the clean reference's accept log: a partial accept (the
 fold, the commit, the rewind, the write-on-accept rows), a partial accept of at least one draft (a
 fold one row early), a full accept (a full accept folded as partial), the first step (a stash, trim,
-padding or block-table bug), the prefill (a chunk boundary), the step after the spill (a swap-in).
-One tiny engine, three sequences at K = 4 (a padded batch: three sequences take a width-4 program).
+padding or block-table bug), the prefill (a chunk boundary), the step after the spill (a swap-in),
+a partial accept under replay rollback (its checkpoint restore). One tiny engine (and one with replay
+rollback), three sequences at K = 4 (a padded batch: three sequences take a width-4 program).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def test_the_clean_tree_passes_with_the_oracles_control_firing(clean):
     assert shape["full_accepts"] and shape["partial_accepts"]
 
 
-VERIFY_MUTANTS = [m for m in SHARED_MUTANTS if m != "restore-skips-conv"]
+VERIFY_MUTANTS = [m for m in SHARED_MUTANTS if "restore" not in m]
 
 
 @pytest.mark.parametrize("name", VERIFY_MUTANTS)
@@ -109,3 +110,25 @@ def test_the_named_stash_test_catches_the_wrong_rows_hidden(engine):
         test_speculative.test_the_stash_holds_the_accepted_rows_hidden(engine, prompts)
     with planted(engine, "stash-wrong-row"):
         assert stash_error(engine, prompts[0]) > 100 * ORACLE_RTOL, "another row's hidden is O(1) off"
+
+
+def test_a_checkpoint_restore_that_skips_the_conv_window_fails_the_oracle(tiny):
+    """Replay rollback: a partial accept restores the pre-verify checkpoint and re-runs the accepted
+    rows; without the conv window the re-run starts from the wrong window."""
+    cfg, params = tiny
+    engine = MutantEngine(
+        cfg,
+        params,
+        settings(max_batch_size=8, max_seq_len=128, speculative=True, num_drafts=3, ssm_rollback_mode="replay"),
+    )
+    clean = run_diff(engine, VERIFY, ORACLE_ONLY)
+    assert clean["verdict"] == "PASS", clean["reasons"]
+    with planted(engine, "checkpoint-restore-skips-conv"):
+        report = run_diff(engine, VERIFY, ORACLE_ONLY)
+    (c,) = report["shapes"][0]["comparisons"]
+    step, seq = _first(clean["shapes"][0]["accepted"], 4, lambda a, k: a < k - 1)
+    where = c["first_violation"]
+    assert report["verdict"] == "FAIL" and (where["step"], where["part"]) == (
+        step,
+        f"seq {seq} layer {cfg.linear_layer_ids[0]} gdn h",
+    ), where
