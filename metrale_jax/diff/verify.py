@@ -7,8 +7,8 @@ and the driver `diff_verify`.
 
 A step, for n sequences at widths ks (rows flat and seq-major, sequence i's rows
 `[last_i, d_1 .. d_{K_i - 1}]`): `verify_batched` (write-on-accept); each sequence's accepted
-drafts; `Engine.accept` (with the drafter the accepted rows' hiddens stashed, the GDN fold, the
-host rewind of the rejected rows, the commit of rows 0..na); with the drafter, the batched
+drafts; `Engine.accept` (the GDN fold, the host rewind of the rejected rows, the commit of rows
+0..na, with the drafter the accepted rows' hiddens stashed); with the drafter, the batched
 propose of `num_drafts` drafts and the trim of every drafter back to the committed context. A
 step's parts: the R = Σ K verify logits rows, then (drafter) the last draft position's logits,
 the drafts and their confidences.
