@@ -112,23 +112,37 @@ def test_the_named_stash_test_catches_the_wrong_rows_hidden(engine):
         assert stash_error(engine, prompts[0]) > 100 * ORACLE_RTOL, "another row's hidden is O(1) off"
 
 
-def test_a_checkpoint_restore_that_skips_the_conv_window_fails_the_oracle(tiny):
-    """Replay rollback: a partial accept restores the pre-verify checkpoint and re-runs the accepted
-    rows; without the conv window the re-run starts from the wrong window."""
+@pytest.fixture(scope="module")
+def replay_engine(tiny):
     cfg, params = tiny
-    engine = MutantEngine(
+    return MutantEngine(
         cfg,
         params,
         settings(max_batch_size=8, max_seq_len=128, speculative=True, num_drafts=3, ssm_rollback_mode="replay"),
     )
-    clean = run_diff(engine, VERIFY, ORACLE_ONLY)
-    assert clean["verdict"] == "PASS", clean["reasons"]
-    with planted(engine, "checkpoint-restore-skips-conv"):
-        report = run_diff(engine, VERIFY, ORACLE_ONLY)
+
+
+@pytest.fixture(scope="module")
+def replay_clean(replay_engine):
+    return run_diff(replay_engine, VERIFY, ORACLE_ONLY)
+
+
+def test_replay_rollback_passes_the_oracle(replay_clean):
+    """Regression: replay rollback's commit re-runs the accepted rows, and their drafter catch-up
+    pairs row 0 with the stash; `Engine.accept` stashed the accepted row's hidden before the commit,
+    so that pair read the wrong hidden (drafts only: greedy equality held)."""
+    assert replay_clean["verdict"] == "PASS", replay_clean["reasons"]
+
+
+def test_a_checkpoint_restore_that_skips_the_conv_window_fails_the_oracle(replay_engine, replay_clean):
+    """Replay rollback: a partial accept restores the pre-verify checkpoint and re-runs the accepted
+    rows; without the conv window the re-run starts from the wrong window."""
+    with planted(replay_engine, "checkpoint-restore-skips-conv"):
+        report = run_diff(replay_engine, VERIFY, ORACLE_ONLY)
     (c,) = report["shapes"][0]["comparisons"]
-    step, seq = _first(clean["shapes"][0]["accepted"], 4, lambda a, k: a < k - 1)
+    step, seq = _first(replay_clean["shapes"][0]["accepted"], 4, lambda a, k: a < k - 1)
     where = c["first_violation"]
-    assert report["verdict"] == "FAIL" and (where["step"], where["part"]) == (
-        step,
-        f"seq {seq} layer {cfg.linear_layer_ids[0]} gdn h",
-    ), where
+    gdn = replay_engine.cfg.linear_layer_ids[0]
+    assert report["verdict"] == "FAIL" and (where["step"], where["part"]) == (step, f"seq {seq} layer {gdn} gdn h"), (
+        where
+    )
