@@ -296,11 +296,20 @@ def diff_verify(
                 with selected(engine, v.forward):
                     if v.step == "oracle":
                         c, control, oracle_at = oracle_comparison(
-                            engine, rows, ks, log, ref, states, v.contract, fragment=fragment, num_drafts=nd
+                            engine,
+                            rows,
+                            ks,
+                            log,
+                            ref,
+                            states,
+                            v.contract,
+                            fragment=fragment,
+                            num_drafts=nd,
+                            control=j == 0,
                         )
                         comparisons.append(dataclasses.replace(c, variant=v.label))
                         oracle_control = oracle_control or control
-                        progress.advance(2 * (steps + 1))
+                        progress.advance((1 + (j == 0)) * (steps + 1))
                     elif v.step == "fused":
                         lockstep = functools.partial(
                             run_fused, engine, rows, ks, log, fragment=fragment, num_drafts=nd, progress=progress
