@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # makes pyenv's python3 a 3.12 here; the first of python3.13, python3.12, python3 that is >= 3.12 builds it.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: demo test lint bench fixtures notebooks train-small clean
+.PHONY: demo test lint mutants bench fixtures notebooks train-small clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (install one or set PYTHON=...)"; exit 2; }
@@ -28,6 +28,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest tests
+
+# The diff's mutation score alone: every shared-code state bug planted one at a time must FAIL the
+# oracle variant where it first shows (part of `make test` too).
+mutants: $(STAMP)
+	$(PY) -m pytest tests/test_mutants.py
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --notes BUILD_NOTES.md

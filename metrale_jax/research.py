@@ -380,15 +380,16 @@ class Study:
         max_new_tokens: int,
         schedule: DraftSchedule,
         width: int | None = None,
+        fused: bool = True,
     ) -> Run:
         """Greedy speculative decoding of `max_new_tokens` per prompt, `width` prompts at a time
-        (default: all at once), under `schedule`. Raises ValueError for a schedule over
+        (default: all at once), under `schedule`, each step `fused` or composed. Raises ValueError for a schedule over
         `max_drafts` or a run that does not fit the study's engine."""
         if not 1 <= schedule.num_drafts <= self.max_drafts:
             raise ValueError(f"num_drafts {schedule.num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
         width, groups = self._groups(prompts, max_new_tokens, width)
         parts = [
-            (idx, speculative_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, schedule))
+            (idx, speculative_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, schedule, fused=fused))
             for idx in groups
         ]
         return Run.from_generations(schedule, width, max_new_tokens, parts)

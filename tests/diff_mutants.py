@@ -4,14 +4,22 @@ Owns: `MutantEngine`, an `Engine` whose public verdict methods misbehave only wh
 mutant forwards in `MUTANTS` is selected (the math then runs the `xla` forward), and whose fused
 speculative step misbehaves while one of `FUSED_MUTANTS` is; `mutant_variants` and
 `fused_mutant_variants`, the diff variants that select them. Under any other forward it is the
-engine.
+engine, unless a shared mutant is planted.
 
-Invariant: a mutant changes only what its name says, and only in replays (the diff's reference
-always runs `xla`).
+Shared mutants (`SHARED_MUTANTS`, planted with `planted(engine, name)`): bugs in the code every
+forward and every run shares, the reference's included, each in the engine's own methods or in
+the inputs it hands one program (`ProgramCache.run` wrapped); `stash_error` is the direct check
+of the accepted row's stash that tests/test_speculative.py runs.
+
+Invariants: a mutant changes only what its name says; a replay-only mutant only in replays (the
+diff's reference always runs `xla`); a shared one in every run until `planted` exits.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.diff import Variant
@@ -31,6 +39,35 @@ FUSED_MUTANTS = {
 }
 
 
+#: Bugs in shared code: every run of a diff (reference, replays, oracle) runs them.
+SHARED_MUTANTS = {
+    "fold-row-late": "the GDN fold copies verify row na + 1 (a partial accept)",
+    "fold-row-early": "the GDN fold copies verify row na - 1 (a partial accept with na >= 1)",
+    "full-as-partial": "a full accept is folded as a partial one (copies verify row K - 1)",
+    "conv-commit-off-by-one": "the conv commit keeps the window one row late",
+    "rejected-kv-visible": "the rewind leaves one rejected row (its KV visible, the length too long)",
+    "stash-wrong-row": "the stash takes the hidden of the row after the accepted one",
+    "propose-untrimmed": "the drafter is not trimmed back to the committed context after a propose",
+    "write-on-accept-shifted": "the verify writes its per-row GDN states one verify row late",
+    "prefill-chunk-overlap": "a prefill chunk after the first starts one position early",
+    "padding-slot-0": "a verify's padding sequences address slot 0 instead of the dummy slot",
+    "block-table-off-by-one": "a verify's block table entry j holds the sequence's block j + 1",
+    "restore-skips-conv": "a swap-in restores everything but the GDN conv window",
+    "checkpoint-restore-skips-conv": "replay rollback's checkpoint restore puts back the GDN h but not the conv window",
+}
+
+
+@contextlib.contextmanager
+def planted(engine, name: str):
+    """Plant shared mutant `name` in `engine` (a `MutantEngine`) for the block."""
+    assert name in SHARED_MUTANTS, name
+    engine.shared = name
+    try:
+        yield
+    finally:
+        engine.shared = None
+
+
 def _bump_stash_row(pool, slot):
     return pool.replace(stash=pool.stash.at[slot].add(1.0))
 
@@ -39,10 +76,36 @@ class MutantEngine(Engine):
     """See the module docstring. `mutant` is the selected mutant forward, or None."""
 
     mutant = None
+    shared: str | None = None
 
     def __init__(self, cfg, params, settings, **kw):
         super().__init__(cfg, params, settings, **kw)
         self._base_cfg = cfg
+        run = self.programs.run
+
+        def planted_run(name, fn, static, *args):
+            skips = {"restore-skips-conv": "write_state", "checkpoint-restore-skips-conv": "restore_ckpt"}
+            if name == skips.get(self.shared or ""):
+                kept = jnp.array(args[0].trunk.gdn_conv)  # a copy: the program takes the pool donated
+                pool = run(name, fn, static, *args)
+                return pool.replace(trunk=pool.trunk.replace(gdn_conv=kept))
+            if self.shared == "prefill-chunk-overlap" and name == "prefill_chunk" and args[2].start[0] > 0:
+                args[2].start[0] -= 1
+            if name == "step_rows" and static.verify:
+                self._plant_verify(args[2])
+            return run(name, fn, static, *args)
+
+        self.programs.run = planted_run  # type: ignore[method-assign]
+
+    def _plant_verify(self, batch) -> None:
+        """A shared mutant of the verify's addressing, applied to its (host numpy) `StepBatch`."""
+        real = batch.lens > 0
+        if self.shared == "write-on-accept-shifted":
+            batch.vrow_base[real] += 1
+        elif self.shared == "padding-slot-0":
+            batch.slots[~real] = 0
+        elif self.shared == "block-table-off-by-one":
+            batch.block_tables[real, :-1] = batch.block_tables[real, 1:].copy()
 
     def set_forward(self, name: str) -> None:
         self.mutant = name if name in MUTANTS or name in FUSED_MUTANTS else None
@@ -63,19 +126,34 @@ class MutantEngine(Engine):
     def gdn_fold_accepted(self, seqs, rows, ks):
         if self.mutant == "mutant-fold-row":
             rows = [r % k + 1 for r, k in zip(rows, ks)]  # one row late; a full accept takes row 0
+        if self.shared == "fold-row-late":
+            rows = [min(r + 1, k) if r < k else r for r, k in zip(rows, ks)]
+        if self.shared == "fold-row-early":
+            rows = [max(r - 1, 1) if r < k else r for r, k in zip(rows, ks)]
+        if self.shared == "full-as-partial":
+            ks = [k + (r == k) for r, k in zip(rows, ks)]
         super().gdn_fold_accepted(seqs, rows, ks)
 
     def commit_accepted_prefixes(self, seqs, rows, ks):
         if self.mutant == "mutant-conv-kept":
             return
-        if self.mutant == "mutant-commit-off-by-one":
+        if self.mutant == "mutant-commit-off-by-one" or self.shared == "conv-commit-off-by-one":
             rows = [min(r + 1, k) for r, k in zip(rows, ks)]
         super().commit_accepted_prefixes(seqs, rows, ks)
 
     def rewind(self, seq, rejected):
-        if self.mutant == "mutant-rejected-kv" and rejected:
+        if (self.mutant == "mutant-rejected-kv" or self.shared == "rejected-kv-visible") and rejected:
             rejected -= 1
         Engine.rewind(seq, rejected)
+
+    def stash_verify_hidden_rows(self, seqs, rows):
+        if self.shared == "stash-wrong-row":
+            rows = [r + 1 for r in rows]
+        super().stash_verify_hidden_rows(seqs, rows)
+
+    def trim_proposer(self, seq, keep=0):
+        if self.shared != "propose-untrimmed":
+            super().trim_proposer(seq, keep)
 
     def verify_batched(self, seqs, tokens, ks):
         if self.mutant != "mutant-wrong-slot" or len(seqs) < 2:
@@ -96,3 +174,27 @@ def mutant_variants(names=MUTANTS) -> list[Variant]:
 def fused_mutant_variants() -> list[Variant]:
     """The fused-step variants of `FUSED_MUTANTS`, each declared bit-identical."""
     return [Variant(f"{name} ({why})", name, step="fused") for name, why in FUSED_MUTANTS.items()]
+
+
+def stash_error(engine, prompt) -> float:
+    """The stash after a verify and its verdict against the plain path's. Sequence c prefills
+    `prompt` and decodes its greedy continuation g0, g1 (g2 next); sequence a prefills it and
+    verifies [g0, g1, g2 + 1] (one draft accepted), then `accept`s. Both then hold the committed
+    context prompt + [g0, g1], whose last row's pre-norm hidden the stash must hold. Returns the
+    stash rows' max |Δ| over the plain row's max |value| (both sequences freed)."""
+    a, c = engine.alloc_sequence(), engine.alloc_sequence()
+    try:
+        g0 = int(engine.prefill(c, prompt).argmax())
+        g1 = int(engine.decode(c, g0).argmax())
+        g2 = int(engine.decode(c, g1).argmax())
+        engine.prefill(a, prompt)
+        rows = [g0, g1, (g2 + 1) % engine.cfg.vocab_size]
+        _, argmax = engine.verify_batched([a], rows, [3])
+        assert list(argmax[:2]) == [g1, g2], "the verify's argmaxes are the greedy continuation"
+        engine.accept([a], [1])
+        stash = np.asarray(engine.pool.stash)
+        plain = stash[c.slot].astype(np.float64)
+        return float(np.abs(stash[a.slot] - plain).max() / np.abs(plain).max())
+    finally:
+        engine.free_sequence(c)
+        engine.free_sequence(a)

@@ -4,8 +4,9 @@ command's exit codes.
 
 Engines are module-scoped (compilation dominates on a 2-core CPU); every diff frees what it
 allocates, so they share one engine. Variants are `xla-repeat` (run-to-run determinism), `fused`
-(the fused speculative step in lock-step with the composed one; the verify modes only) and, in
-the detection tests, the planted-bug forwards of `diff_mutants`.
+(the fused speculative step in lock-step with the composed one; the verify modes only), `oracle`
+(the committed tokens through the plain path; the verify modes and --swap) and, in the detection
+tests, the planted-bug forwards of `diff_mutants` (the shared-code mutants: tests/test_mutants.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from metrale_jax_cli import diff_cmd
 
 XLA_REPEAT = [Variant("xla-repeat", "xla")]
 FUSED = [Variant("fused", "xla", step="fused")]
+ORACLE = variants_mod.default_variants(["oracle"])[0]
 FUSED_MUTANT = fused_mutant_variants()
 MOE = os.path.join(FIXTURES, "hf", "qwen3_next_moe")
 
@@ -236,7 +238,8 @@ def _controls(report):
         return [(c["variant"], c["saw_difference_after"]) for c in report["controls"]]
     sections = report.get("widths") or report.get("shapes") or report.get("verify") or []
     controls = [s["detection_control"] for s in sections] + [report.get("detection_control")]
-    controls += [s.get("fused_detection_control") for s in sections]
+    controls += [s.get(f"{v}_detection_control") for s in sections for v in ("fused", "oracle")]
+    controls += [report.get("oracle_detection_control")]
     return [(c["variant"], c["mismatched_steps"] > 0 or not c["prefill_equal"]) for c in controls if c]
 
 
@@ -244,11 +247,20 @@ def _controls(report):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_each_mode_passes_with_a_control_that_fires(request, checkpoint, mode):
     engine = request.getfixturevalue(checkpoint)
-    report = run_diff(engine, MODES[mode], XLA_REPEAT + FUSED)
+    report = run_diff(engine, MODES[mode], XLA_REPEAT + FUSED + ORACLE)
     assert report["mode"] == mode
     assert report["verdict"] == "PASS", report["reasons"]
     assert _controls(report) and all(fired for _, fired in _controls(report))
-    fused = {v["name"]: v for v in report["variants"]}["fused"]
+    fused, oracle = ({v["name"]: v for v in report["variants"]}[x] for x in ("fused", "oracle"))
+    assert oracle["available"] == (mode.startswith("verify") or mode == "swap"), oracle
+    if mode.startswith("verify"):
+        sections = report.get("shapes") or report["verify"]
+        assert all(
+            c["ok"] and c["argmax_equal"] for s in sections for c in s["comparisons"] if c["variant"] == "oracle"
+        )
+        assert sections[0]["oracle_detection_control"] and not sections[0]["oracle_detection_control"]["ok"]
+    if mode == "swap":
+        assert report["oracle"]["ok"] and report["oracle"]["mismatched_steps"] == 0
     if mode.startswith("verify"):
         sections = report.get("shapes") or report["verify"]
         assert all(s["fused_detection_control"] for s in sections)
@@ -396,7 +408,7 @@ def test_a_forward_that_cannot_be_built_is_reported_unavailable(monkeypatch):
 
     monkeypatch.setattr(variants_mod, "make_ops", make_ops)
     found, unavailable = variants_mod.default_variants()
-    assert [(v.label, v.step) for v in found] == [("xla-repeat", "composed"), ("fused", "fused")]
+    assert [(v.label, v.step) for v in found] == [("xla-repeat", "composed"), ("fused", "fused"), ("oracle", "oracle")]
     assert unavailable == [{"name": "pallas", "reason": "ImportError: no kernels here"}]
 
 

@@ -11,6 +11,8 @@ Invariants:
 - `--batch`: a row whose prefill breaks a variant's contract is left out of that variant's
   step comparison and reported (`prefill_row_deltas`); more than rows / 8 left out, or the
   control's row left out, fails the width.
+- `--swap` with the `oracle` variant: a sequence that never spilled decodes the reference's
+  tokens; its logits and final state must equal the spilled reference's byte for byte.
 - `--swap`: every run spills before step steps / 2 and restores into another slot and other
   blocks (`SequenceBatch.relocate`). Each variant restores its own record; the last variant
   also restores the reference's (records are exchangeable across forwards); two controls
@@ -40,6 +42,7 @@ from metrale_jax.diff.compare import (
     without_rows,
 )
 from metrale_jax.diff.layout import SequenceBatch
+from metrale_jax.diff.oracle import broke_from
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import describe, failure_line
@@ -66,6 +69,7 @@ class Decoded:
     run: Run
     records: list[SwapRecord] = dataclasses.field(default_factory=list)
     moves: list[dict] = dataclasses.field(default_factory=list)
+    final: list[SwapRecord] = dataclasses.field(default_factory=list)
 
 
 def run_decode(
@@ -76,10 +80,12 @@ def run_decode(
     tokens: list[list[int]] | None = None,
     fragment: bool = False,
     spill: Spill | None = None,
+    final: bool = False,
     progress: Progress = SILENT,
 ) -> Decoded:
     """Prefill `rows` (one sequence each, batch order), then `steps` `decode_batch` steps.
-    tokens: per row, the steps + 1 tokens to feed (None: greedy from the run's own logits)."""
+    tokens: per row, the steps + 1 tokens to feed (None: greedy from the run's own logits);
+    `final`: also save every sequence's state record after the last step (`Decoded.final`)."""
     out = Decoded(tokens=[], run=Run(prefill=[]))
     with SequenceBatch(engine, len(rows), fragment) as batch:
         first = batch.prefill(rows)
@@ -99,6 +105,8 @@ def run_decode(
             out.run.enqueue_ms.append((t1 - t0) * 1e3)
             out.run.step_ms.append((time.perf_counter() - t0) * 1e3)
             progress.advance()
+        if final:
+            out.final = [engine.save_sequence_state(q) for q in batch.seqs]
     return out
 
 
@@ -208,9 +216,11 @@ def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Prog
     """`--swap`. Returns (report fields, reasons)."""
     prompt = prompts(1, engine.cfg.vocab_size)[0]
     at = steps // 2
+    oracles = [v for v in variants if v.step == "oracle"]
+    variants = [v for v in variants if v.step != "oracle"] or [Variant("xla-repeat", REFERENCE)]
     last = variants[-1]
-    progress.section("swap", (len(variants) + 4) * (steps + 1))
-    ref = run_decode(engine, [prompt], steps, spill=Spill(at), progress=progress)
+    progress.section("swap", (len(variants) + 4 + 2 * bool(oracles)) * (steps + 1))
+    ref = run_decode(engine, [prompt], steps, spill=Spill(at), final=bool(oracles), progress=progress)
     ref_record = state_parts(engine.cfg, ref.records[0])
 
     def spilled(restore=Spill(at).restore):
@@ -238,7 +248,15 @@ def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Prog
         for c in control_rows
         if not c["saw_difference_after"]
     ]
+    fields = {}
+    for v in oracles:
+        c, control = _never_spilled(engine, v, prompt, ref, at, progress)
+        fields = {"oracle": c.to_json(), "oracle_detection_control": control.to_json()}
+        reasons += [failure_line("swap", c)] if not c.ok else []
+        if not broke_from(control, at):
+            reasons.append(f"swap control `{control.variant}` kept the oracle's contract after a token changed")
     return {
+        **fields,
         "prompt_tokens": len(prompt),
         "spill_before_step": at,
         "moves": ref.moves,
@@ -246,6 +264,29 @@ def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Prog
         "comparisons": comparisons,
         "controls": control_rows,
     }, reasons
+
+
+def _never_spilled(engine, v: Variant, prompt, ref: Decoded, at: int, progress: Progress):
+    """The swap's oracle: the reference's tokens decoded by a sequence that never spilled, its
+    logits every step and its state after the last compared with the spilled reference's
+    (bit-identical, `v.contract`: the same programs at the same shapes, only the slot and
+    blocks differ).
+    Returns (comparison, control: the same with the token of step `at` changed)."""
+
+    def with_final(d: Decoded) -> Run:
+        steps = d.run.steps[:-1] + [d.run.steps[-1] + state_parts(engine.cfg, d.final[0])]
+        return Run(prefill=d.run.prefill, steps=steps)
+
+    def never(tokens):
+        with selected(engine, v.forward):
+            return with_final(
+                run_decode(engine, [prompt], len(ref.run.steps), tokens=tokens, final=True, progress=progress)
+            )
+
+    reference = with_final(ref)
+    c = compare(f"{v.label} (never spilled)", reference, never(ref.tokens), v.contract)
+    changed = never(_changed(ref.tokens, 0, at, engine.cfg.vocab_size))
+    return c, compare(f"{v.label}, token changed at step {at}", reference, changed, v.contract)
 
 
 def _swap_comparison(cfg, label: str, ref: Decoded, ref_record: list[Part], run: Decoded, contract, at: int) -> dict:

@@ -113,6 +113,8 @@ def _control(c: dict | None) -> list[str]:
     if c is None:
         return []
     seen = c["mismatched_steps"] > 0 if c["steps"] else not c["prefill_equal"]
+    if c["contract"].startswith("bounded"):  # a bounded control fires when it breaks its contract
+        seen = not c["ok"]
     if c["steps"]:
         what = f"{c['mismatched_steps']}/{c['steps']} steps differ"
     else:
@@ -147,7 +149,9 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
                     f"{mode} n={s['rows']} ks={s['ks']}",
                     s["comparisons"],
                     s["detection_control"],
-                    _control(s.get("fused_detection_control")) + [f"  accepted drafts histogram: {hist} {counts}"],
+                    _control(s.get("fused_detection_control"))
+                    + _control(s.get("oracle_detection_control"))
+                    + [f"  accepted drafts histogram: {hist} {counts}"],
                 )
             )
     elif mode == "prefill":
@@ -178,12 +182,13 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
         extra += [
             f"  control {c['variant']}: {'fired' if c['saw_difference_after'] else 'BLIND'}" for c in report["controls"]
         ]
+        oracle = [report["oracle"]] if "oracle" in report else []
         out = [
             (
                 f"swap before step {report['spill_before_step']} ({moves})",
-                [c["comparison"] for c in report["comparisons"]],
+                [c["comparison"] for c in report["comparisons"]] + oracle,
                 None,
-                extra,
+                extra + _control(report.get("oracle_detection_control")),
             )
         ]
     if out and "detection_control" in report and mode in ("default", "prefill"):

@@ -13,6 +13,9 @@ Invariants:
   lock-step with the composed transitions, each step from one pool (`verify.run_fused`); it is
   declared bit-identical (the fused program runs the same transitions, fenced from each other by
   optimization barriers) and runs in the verify modes of a snapshot-rollback engine only.
+- `oracle` replays the reference's committed tokens through the plain path only (`diff.oracle`):
+  bounded (`oracle.oracle_contract`, set by `applicable` for the engine); it runs in the verify
+  modes and `--swap` (there: a run that never spilled, bit-identical).
 - Another forward (`pallas`) is declared bit-identical where its kernels run under the Pallas
   interpreter (CPU: each kernel is byte-equal to its reference twin and the state IO fences
   them, so the whole forward is; tests/test_forward_select.py) and bounded where they are
@@ -36,6 +39,7 @@ from typing import Literal
 import jax
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
+from metrale_jax.diff.oracle import ORACLE, ORACLE_CONTRACT, oracle_contract
 from metrale_jax.engine.engine import FORWARDS, make_ops
 from metrale_jax.engine.sharding import make_mesh
 
@@ -56,6 +60,9 @@ MESH_VARIANTS = {"tp2": (2, 1), "tp2-ep2": (2, 2)}
 FUSED = "fused"
 #: The modes the fused step's variant runs in.
 FUSED_MODES = ("verify", "verify-batch")
+#: The modes the oracle runs in (elsewhere the reference already is the plain path, and
+#: `--prefill` compares every chunking with the one-pass prefill).
+ORACLE_MODES = ("verify", "verify-batch", "swap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +75,12 @@ class Variant:
     label: str
     forward: str
     contract: Contract = BIT_IDENTICAL
-    step: Literal["composed", "fused"] = "composed"
+    step: Literal["composed", "fused", "oracle"] = "composed"
     mesh: tuple[int, int] | None = None
 
 
 def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant], list[dict]]:
-    """(variants, unavailable): `xla-repeat`, `fused` and every non-reference engine forward,
+    """(variants, unavailable): `xla-repeat`, `fused`, `oracle` and every non-reference engine forward,
     optionally restricted to the labels in `names`; a forward whose ops cannot be built is
     reported as {name, reason} instead (e.g. its kernels fail to import)."""
     wanted = None if names is None else set(names)
@@ -83,6 +90,9 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
             continue
         if label == FUSED:
             variants.append(Variant(FUSED, REFERENCE, BIT_IDENTICAL, step="fused"))
+            continue
+        if label == ORACLE:
+            variants.append(Variant(ORACLE, REFERENCE, ORACLE_CONTRACT, step="oracle"))
             continue
         if label in MESH_VARIANTS:
             tp, ep = MESH_VARIANTS[label]
@@ -111,15 +121,25 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
 
 
 def known_labels() -> list[str]:
-    return ["xla-repeat", FUSED] + [f for f in FORWARDS if f != REFERENCE] + list(MESH_VARIANTS)
+    return ["xla-repeat", FUSED, ORACLE] + [f for f in FORWARDS if f != REFERENCE] + list(MESH_VARIANTS)
 
 
 def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Variant], list[dict]]:
     """(the variants `mode` runs on `engine`, {name, reason} of those it cannot run): the fused
-    step's variant runs only in the verify modes, on a snapshot-rollback engine."""
+    step's variant runs only in the verify modes, on a snapshot-rollback engine; the oracle in
+    `ORACLE_MODES`, under the contract of `engine` (`oracle.oracle_contract`; in `--swap`
+    bit-identical: a sequence that never spilled runs the spilled one's programs)."""
     runs, skipped = [], []
     for v in variants:
-        if v.step == "fused" and mode not in FUSED_MODES:
+        if v.step == "oracle":
+            v = dataclasses.replace(v, contract=BIT_IDENTICAL if mode == "swap" else oracle_contract(engine))
+        if v.step == "oracle" and mode not in ORACLE_MODES:
+            why = "--prefill compares every chunking with the one-pass prefill" if mode == "prefill" else None
+            reason = why or "the reference of this mode is the plain path already"
+            skipped.append(
+                {"name": v.label, "reason": f"the oracle runs in --verify, --verify-batch and --swap ({reason})"}
+            )
+        elif v.step == "fused" and mode not in FUSED_MODES:
             skipped.append({"name": v.label, "reason": "the fused speculative step runs in --verify / --verify-batch"})
         elif v.step == "fused" and engine.replay:
             skipped.append({"name": v.label, "reason": "the fused speculative step needs snapshot rollback"})

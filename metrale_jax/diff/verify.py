@@ -7,8 +7,8 @@ and the driver `diff_verify`.
 
 A step, for n sequences at widths ks (rows flat and seq-major, sequence i's rows
 `[last_i, d_1 .. d_{K_i - 1}]`): `verify_batched` (write-on-accept); each sequence's accepted
-drafts; `Engine.accept` (with the drafter the accepted rows' hiddens stashed, the GDN fold, the
-host rewind of the rejected rows, the commit of rows 0..na); with the drafter, the batched
+drafts; `Engine.accept` (the GDN fold, the host rewind of the rejected rows, the commit of rows
+0..na, with the drafter the accepted rows' hiddens stashed); with the drafter, the batched
 propose of `num_drafts` drafts and the trim of every drafter back to the committed context. A
 step's parts: the R = Σ K verify logits rows, then (drafter) the last draft position's logits,
 the drafts and their confidences.
@@ -23,6 +23,9 @@ Invariants:
   same prompts, `decode.run_decode`) with one corrupted on odd steps (offset by the sequence's
   index), so full and partial accepts both occur; every other run replays the reference's
   logged tokens and accept counts and never recomputes them.
+- The `oracle` variant (`diff.oracle`) replays the reference's committed tokens through the
+  plain path; the reference run then also records every sequence's state after the prefill and
+  after each step (a read that changes nothing).
 - A shape whose reference saw no full accept or no partial accept fails ("it needs both").
 - The control (reference forward) changes the last draft of sequence n // 2 halfway; the fused
   variant's control changes it on the fused side of that step only.
@@ -44,6 +47,7 @@ import numpy as np
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Part, Run, compare, saw_difference, timing
 from metrale_jax.diff.decode import run_decode
 from metrale_jax.diff.layout import SequenceBatch
+from metrale_jax.diff.oracle import broke_from, oracle_comparison
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import failure_line
@@ -80,11 +84,14 @@ def run_verify(
     log: Sequence[Logged] | None = None,
     fragment: bool = False,
     num_drafts: int | None = None,
+    states: list | None = None,
     progress: Progress = SILENT,
 ) -> tuple[list[Logged], Run]:
     """One run of `steps` verify steps of `rows` at widths `ks` (see the module docstring).
     Exactly one of `greedy` (reference: drafts from each row's greedy continuation, accepts
-    from the verify's argmax) and `log` (replay) is given; `num_drafts` turns the drafter on."""
+    from the verify's argmax) and `log` (replay) is given; `num_drafts` turns the drafter on.
+    `states`, when given, gets each sequence's `save_sequence_state` record after the prefill
+    and after every step (for the oracle; reading the state changes nothing)."""
     if (greedy is None) == (log is None):
         raise ValueError("run_verify needs exactly one of greedy and log")
     vocab, n, off = engine.cfg.vocab_size, len(rows), offsets(ks)
@@ -96,6 +103,8 @@ def run_verify(
         run.prefill = [Part("logits", first, "logits")]
         last = [int(x) for x in first.argmax(axis=1)]
         pos = [0] * n
+        if states is not None:
+            states.append([engine.save_sequence_state(q) for q in seqs])
         progress.advance()
         # The slots and widths are fixed for the run, so one check covers every step.
         reason = engine.can_batch_verify(seqs, ks)
@@ -132,6 +141,8 @@ def run_verify(
                     Part("drafts", drafts, "tokens"),
                     Part("confidences", conf, "values"),
                 ]
+            if states is not None:
+                states.append([engine.save_sequence_state(q) for q in seqs])
             out.append(Logged(tuple(int(t) for t in tokens), tuple(na)))
             run.steps.append(parts)
             run.enqueue_ms.append((t1 - t0) * 1e3)
@@ -265,7 +276,8 @@ def diff_verify(
             where = f"verify K={ks[0]}" if single else f"verify-batch n={n} ks={ks}"
             probe = mtp and j == 0
             fused = sum(v.step == "fused" for v in variants)
-            progress.section(where, (len(variants) + 2 + bool(fused)) * (steps + 1) + 4 * probe)
+            oracles = [v for v in variants if v.step == "oracle"]
+            progress.section(where, (len(variants) + 2 + bool(fused) + bool(oracles)) * (steps + 1) + 4 * probe)
 
             verify = functools.partial(
                 run_verify, engine, rows, ks, fragment=fragment, num_drafts=nd, progress=progress
@@ -275,13 +287,30 @@ def diff_verify(
                     "first propose", verify(1, greedy=greedy)[1], verify(1, greedy=greedy)[1], BIT_IDENTICAL
                 ).ok
                 warmups.append({"rows": n, "first_proposes_equal": equal, "discarded_run": not equal})
-            log, ref = verify(steps, greedy=greedy)
+            states: list | None = [] if oracles else None
+            log, ref = verify(steps, greedy=greedy, states=states)
             at, row = steps // 2, offsets(ks)[n // 2] + ks[n // 2] - 1
             comparisons: list[Comparison] = []
-            timings, fused_control = [timing(REFERENCE, ref)], None
+            timings, fused_control, oracle_control, oracle_at = [timing(REFERENCE, ref)], None, None, 0
             for v in variants:
                 with selected(engine, v.forward, v.mesh):
-                    if v.step == "fused":
+                    if v.step == "oracle":
+                        c, control, oracle_at = oracle_comparison(
+                            engine,
+                            rows,
+                            ks,
+                            log,
+                            ref,
+                            states,
+                            v.contract,
+                            fragment=fragment,
+                            num_drafts=nd,
+                            control=j == 0,
+                        )
+                        comparisons.append(dataclasses.replace(c, variant=v.label))
+                        oracle_control = oracle_control or control
+                        progress.advance((1 + (j == 0)) * (steps + 1))
+                    elif v.step == "fused":
                         lockstep = functools.partial(
                             run_fused, engine, rows, ks, log, fragment=fragment, num_drafts=nd, progress=progress
                         )
@@ -309,6 +338,10 @@ def diff_verify(
                 reasons.append(f"{where}: the detection control saw no difference after changing a draft")
             if fused_control is not None and not saw_difference(fused_control):
                 reasons.append(f"{where}: the fused step's detection control saw no difference after changing a draft")
+            if oracle_control is not None and not broke_from(oracle_control, oracle_at):
+                reasons.append(
+                    f"{where}: the oracle's detection control kept its contract after a committed token changed"
+                )
             if full == 0 or partial == 0:
                 reasons.append(f"{where}: {full} full and {partial} partial accepts; it needs both")
             section = {
@@ -324,6 +357,8 @@ def diff_verify(
             }
             if fused_control is not None:
                 section["fused_detection_control"] = fused_control.to_json()
+            if oracle_control is not None:
+                section["oracle_detection_control"] = oracle_control.to_json()
             sections.append({"k": ks[0], **section} if single else section)
     fields = (
         {"mtp": mtp, "verify": sections} if single else {"fragment_slots": fragment, "drafter": mtp, "shapes": sections}

@@ -13,8 +13,8 @@ Invariants:
   per sequence, so one program per (transition, width bucket, forward) is compiled; K per
   sequence, slots and lengths are traced.
 - Verify is always write-on-accept: after it, `gdn_fold_accepted` must see every verdict before
-  `commit_accepted_prefix` runs; `accept` runs the whole verdict in that order (stash, fold,
-  rewind, commit), as `speculative.speculative_generate`'s composed scheduler does.
+  `commit_accepted_prefix` runs; `accept` runs the whole verdict in that order (fold, rewind,
+  commit, then the stash), as `speculative.speculative_generate`'s composed scheduler does.
 - `speculative_step` is one scheduler step (verify, acceptance, verdict, propose) as one compiled
   program and one device-to-host transfer; it leaves no verify awaiting a verdict.
 - Every device-to-host transfer goes through `_fetch`.
@@ -492,9 +492,9 @@ class Engine:
 
     def accept(self, seqs: Sequence[SequenceState], accepted: Sequence[int]) -> None:
         """The verdict of seqs' last `verify_batched`: accepted[i] of sequence i's drafts (its
-        leading drafts the verify's argmax agreed with) are kept. In order: with the drafter, the
-        accepted rows' hiddens stashed (the seqs must all come from the engine's last verify);
-        the GDN fold; the host rewind of the rejected rows; the commit of rows 0..accepted[i]."""
+        leading drafts the verify's argmax agreed with) are kept. In order: the GDN fold; the host
+        rewind of the rejected rows; the commit of rows 0..accepted[i]; with the drafter, the
+        accepted rows' hiddens stashed (the seqs must all come from the engine's last verify)."""
         missing = [s.seq_id for s in seqs if s.seq_id not in self._verified]
         if missing:
             raise EngineError(f"sequence(s) {missing} have no verify awaiting a verdict")
@@ -510,12 +510,15 @@ class Engine:
                 raise EngineError(
                     f"sequence(s) {stale}: another verify ran since theirs (accept before verifying again)"
                 )
-            self.stash_verify_hidden_rows(seqs, [v.row0 + a for v, a in zip(verified, accepted)])
         rows, ks = [a + 1 for a in accepted], [len(v.rows) for v in verified]
         self.gdn_fold_accepted(seqs, rows, ks)
         for s, r, k in zip(seqs, rows, ks):
             self.rewind(s, k - r)
         self.commit_accepted_prefixes(seqs, rows, ks)
+        if self.drafter:
+            # NOTE: after the commit: replay rollback's commit re-runs the accepted rows, whose drafter
+            # catch-up pairs row 0 with the stash, which must still hold the pre-verify hidden.
+            self.stash_verify_hidden_rows(seqs, [v.row0 + a for v, a in zip(verified, accepted)])
         for s in seqs:
             s.drafter_len = s.seq_len - 1
 
