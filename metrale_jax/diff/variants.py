@@ -16,10 +16,11 @@ Invariants:
 - `oracle` replays the reference's committed tokens through the plain path only (`diff.oracle`):
   bounded (`oracle.oracle_contract`, set by `applicable` for the engine); it runs in the verify
   modes and `--swap` (there: a run that never spilled, bit-identical).
-- Another forward (`pallas`) is declared bit-identical where its kernels run under the Pallas
-  interpreter (CPU: each kernel is byte-equal to its reference twin and the state IO fences
-  them, so the whole forward is; tests/test_forward_select.py) and bounded where they are
-  compiled (Triton: other reduction order).
+- Another forward (`pallas`) is declared bounded: by `INTERPRETED_RTOL` where its kernels run under
+  the Pallas interpreter (CPU: each kernel is byte-equal to its reference twin at the kernel tests'
+  shapes, but XLA CPU contracts some multiply-adds into FMAs in a kernel body and not in the twin's
+  fusions at some batch widths: a few ULP), by `OTHER_FORWARD_RTOL` where they are compiled
+  (Triton: other reduction order).
 - A mesh variant (`tp2`, `tp2-ep2`) replays the reference's steps with the reference forward on
   the engine resharded over a (tp, ep) mesh (`Engine.set_mesh`): the partitioned products and
   all-reduces sum in another order, so it is declared bounded (`MESH_RTOL`); it runs only when
@@ -48,6 +49,10 @@ REFERENCE = "xla"
 #: moves logits by rounding-level amounts, far inside it, while an indexing or state bug,
 #: which moves logits by O(1), stays far outside it.
 OTHER_FORWARD_RTOL = 1e-3
+#: The declared bound of a forward whose kernels run under the Pallas interpreter: its values are the
+#: twins' but for FMA contraction (8 ULP, |Δ| 2.4e-6 at most in the seed's verify batches of 5
+#: sequences, BUILD_NOTES' Known issues), 40x inside it; an indexing or state bug stays far outside it.
+INTERPRETED_RTOL = 1e-5
 
 
 #: The declared bound of a sharded replay: its partitioned sums round in another order, as compiled
@@ -110,12 +115,12 @@ def default_variants(names: Iterable[str] | None = None) -> tuple[list[Variant],
         except Exception as e:  # an unimportable or unbuildable forward is reported, not fatal
             unavailable.append({"name": label, "reason": f"{type(e).__name__}: {e}"})
             continue
-        compiled_kernels = forward != REFERENCE and not getattr(ops, "interpret", True)
-        contract = (
-            bounded(OTHER_FORWARD_RTOL, "compiled kernels, other reduction order")
-            if compiled_kernels
-            else BIT_IDENTICAL
-        )
+        if forward == REFERENCE:
+            contract = BIT_IDENTICAL
+        elif getattr(ops, "interpret", True):
+            contract = bounded(INTERPRETED_RTOL, "interpreted kernels: the twins' values but for FMA contraction")
+        else:
+            contract = bounded(OTHER_FORWARD_RTOL, "compiled kernels, other reduction order")
         variants.append(Variant(label, forward, contract))
     return variants, unavailable
 
