@@ -15,7 +15,11 @@ The programs, at the serve's largest shapes (`PoolCounts` of the evaluation):
 - prefill: `transitions.prefill_chunk` over one full chunk (`counts.prefill_bucket` of
   `counts.prefill_chunk` tokens: the Engine's largest prefill bucket);
 - decode / verify: `transitions.step_rows` at `bucket_width(real_slots)` sequences, T = 1 / K;
-- propose: `transitions.propose` at that width with `num_drafts` drafts (drafter serves only).
+- propose: `transitions.propose` at that width with `num_drafts` drafts (drafter serves only);
+- speculative: `transitions.speculative_step` (the fused scheduler step `Engine.speculative_step`
+  runs: write-on-accept verify at that width, T = K, then `num_drafts` drafts with the drafter,
+  none without) for speculative serves with snapshot rollback (replay rollback runs the composed
+  programs only). The composed programs stay planned: `diff` and replay rollback run them.
 
 Invariants:
 - Results are labelled with the backend they were compiled for (`jax.default_backend()` and the
@@ -68,6 +72,7 @@ from metrale_jax.engine.inputs import (
     PrefillStatic,
     ProposeBatch,
     ProposeStatic,
+    SpeculativeStatic,
     StepBatch,
     StepStatic,
     abstract,
@@ -181,6 +186,18 @@ def step_programs(
                 ProposeStatic(config, counts, ops, num_drafts=settings.num_drafts),
                 (pool, params, abstract(ProposeBatch.padded(counts, mbd, w))),
                 f"{w} seqs x {settings.num_drafts} drafts",
+            )
+        )
+    if counts.speculative and settings.ssm_rollback_mode == "snapshot":
+        nd = settings.num_drafts if drafter else 0
+        out.append(
+            StepProgram(
+                "speculative",
+                "speculative_step",
+                tr.speculative_step,
+                SpeculativeStatic(config, counts, ops, drafter=drafter, num_drafts=nd),
+                (pool, params, abstract(StepBatch.padded(counts, mbd, w, counts.k, verify=True))),
+                f"{w}x{counts.k} rows + {nd} drafts",
             )
         )
     return tuple(out)
