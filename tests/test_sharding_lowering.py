@@ -2,10 +2,10 @@
 machine: one layer group (3 GDN + 1 attention layer, full width: 512 experts, 16 GDN key heads, 2
 KV heads) here, every layer in `scripts/sharded_lowering.py`.
 
-Claims: prefill, decode, verify, propose and the fused speculative step export for CUDA on the abstract mesh with the engine's
-shardings (`engine.sharding`), each a program of 8 devices whose MoE layers sum their routed experts
-over the devices (the shard_map's all-reduce; the partitioner adds the heads' reductions when it
-compiles).
+Claims: prefill, decode, verify, propose and the fused speculative step export for CUDA on the
+abstract mesh with the engine's shardings (`engine.sharding`), each a program of 8 devices whose MoE
+layers sum their routed experts over the devices (the shard_map's all-reduce; the partitioner adds
+the heads' reductions when it compiles).
 """
 
 from __future__ import annotations
