@@ -9,6 +9,7 @@ workload `ISL 1 + OSL 511` makes every probe of the tiny-mtp serve the headline'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -142,6 +143,19 @@ def test_probes_compile_once_per_shape_set_and_interpolate_within_10_percent(rep
     # attention gathers from the stacked cache (no per-layer KV copy), so the prefill scratch is
     # the same at the probe's block count as at the anchor's
     assert exact.temp == next(q.temp for q in ev.activations.programs if q.name == "prefill")
+
+
+def test_a_probe_that_cannot_fit_compiles_nothing(report, tmp_path):
+    """Activations are never negative: on a device that the pools alone overflow, the inverse
+    queries find nothing fits without compiling a step program."""
+    ev = report.evaluation
+    cfg = PRESETS["tiny"][0]
+    small = dataclasses.replace(find_device("L4"), memory_bytes=1 << 20)
+    model = ActivationModel(cfg, jnp.float32, cache_dir=tmp_path)
+    planner = Planner(cfg, ev.settings, small, jnp.float32, (), activations=model)
+    assert planner.max_isl(12, 50) is None and planner.max_concurrency(1, 50, 12) is None
+    assert model.compiled == 0 and model.cache_hits == 0
+    assert not planner.evaluate(Workload(12, 1, 511), activations=False).fits
 
 
 def test_no_activations_skips_them():
