@@ -9,6 +9,7 @@ workload `ISL 1 + OSL 511` makes every probe of the tiny-mtp serve the headline'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -63,8 +64,8 @@ def report(cache):
 
 
 def _engine_programs(settings):
-    """Run a full-width prefill, decode, verify and propose on a real Engine; return its compiled
-    programs by planner name."""
+    """Run a full-width prefill, decode, fused speculative step, verify and propose on a real
+    Engine; return its compiled programs by planner name."""
     cfg, params = resolve_checkpoint("tiny")
     eng = Engine(cfg, params, settings)
     n = eng.counts.real_slots
@@ -74,12 +75,13 @@ def _engine_programs(settings):
     for s in seqs:
         eng.prefill(s, rng.integers(0, cfg.vocab_size, eng.counts.prefill_chunk).tolist())
     eng.decode_batch(seqs, [1] * n)
+    eng.speculative_step(seqs, [1] * n, [1] * n, settings.num_drafts)
     eng.verify_batched(seqs, [2] * n, [1] * n)
     eng.propose_batched(seqs, [3] * n, settings.num_drafts)
     out = {}
     for key, prog in eng.programs._programs.items():
         name, static = key[0], key[1]
-        label = {"prefill_chunk": "prefill", "propose": "propose"}.get(name)
+        label = {"prefill_chunk": "prefill", "propose": "propose", "speculative_step": "speculative"}.get(name)
         if name == "step_rows":
             label = "verify" if static.verify else "decode"
         out[label] = prog
@@ -92,9 +94,9 @@ def test_activation_figure_equals_the_engines_compiled_programs(report):
     ev = report.evaluation
     act = ev.activations
     assert act.backend == jax.default_backend() and act.forward == "xla"
-    assert [p.name for p in act.programs] == ["prefill", "decode", "verify", "propose"]
+    assert [p.name for p in act.programs] == ["prefill", "decode", "verify", "propose", "speculative"]
     assert all(p.how == "compiled" for p in act.programs)
-    assert report.activation_run["compiled"] == 4  # every probe shares the headline's shapes
+    assert report.activation_run["compiled"] == 5  # every probe shares the headline's shapes
     engine = _engine_programs(ev.settings)
     for p in act.programs:
         ma = engine[p.name].memory_analysis()
@@ -108,8 +110,8 @@ def test_second_run_is_served_from_the_disk_cache(report, cache):
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
     a = d["activations"]
-    assert a["run"] == {"compiled": 0, "compile_seconds": 0.0, "cache_hits": 4, "cache_dir": str(cache)}
-    assert [p["source"] for p in a["programs"]] == ["cache"] * 4
+    assert a["run"] == {"compiled": 0, "compile_seconds": 0.0, "cache_hits": 5, "cache_dir": str(cache)}
+    assert [p["source"] for p in a["programs"]] == ["cache"] * 5
     assert [p["temp_bytes"] for p in a["programs"]] == [p.temp for p in report.evaluation.activations.programs]
     t = d["totals"]
     assert t["activations"] == a["bytes"] == max(p["bytes"] for p in a["programs"])
@@ -141,6 +143,19 @@ def test_probes_compile_once_per_shape_set_and_interpolate_within_10_percent(rep
     # attention gathers from the stacked cache (no per-layer KV copy), so the prefill scratch is
     # the same at the probe's block count as at the anchor's
     assert exact.temp == next(q.temp for q in ev.activations.programs if q.name == "prefill")
+
+
+def test_a_probe_that_cannot_fit_compiles_nothing(report, tmp_path):
+    """Activations are never negative: on a device that the pools alone overflow, the inverse
+    queries find nothing fits without compiling a step program."""
+    ev = report.evaluation
+    cfg = PRESETS["tiny"][0]
+    small = dataclasses.replace(find_device("L4"), memory_bytes=1 << 20)
+    model = ActivationModel(cfg, jnp.float32, cache_dir=tmp_path)
+    planner = Planner(cfg, ev.settings, small, jnp.float32, (), activations=model)
+    assert planner.max_isl(12, 50) is None and planner.max_concurrency(1, 50, 12) is None
+    assert model.compiled == 0 and model.cache_hits == 0
+    assert not planner.evaluate(Workload(12, 1, 511), activations=False).fits
 
 
 def test_no_activations_skips_them():

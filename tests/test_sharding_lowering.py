@@ -2,10 +2,10 @@
 machine: one layer group (3 GDN + 1 attention layer, full width: 512 experts, 16 GDN key heads, 2
 KV heads) here, every layer in `scripts/sharded_lowering.py`.
 
-Claims: prefill, decode, verify and propose export for CUDA on the abstract mesh with the engine's
-shardings (`engine.sharding`), each a program of 8 devices whose MoE layers sum their routed experts
-over the devices (the shard_map's all-reduce; the partitioner adds the heads' reductions when it
-compiles).
+Claims: prefill, decode, verify, propose and the fused speculative step export for CUDA on the
+abstract mesh with the engine's shardings (`engine.sharding`), each a program of 8 devices whose MoE
+layers sum their routed experts over the devices (the shard_map's all-reduce; the partitioner adds
+the heads' reductions when it compiles).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def lowering():
 
 def test_the_80b_layer_group_lowers_for_8_h200s(lowering):
     exported = lowering.lower(lowering.MODEL, layers=4)
-    assert sorted(exported) == ["decode", "prefill", "propose", "verify"]
+    assert sorted(exported) == ["decode", "prefill", "propose", "speculative", "verify"]
     for name, exp in exported.items():
         assert exp.nr_devices == 8, name
         assert exp.platforms == ("cuda",), name

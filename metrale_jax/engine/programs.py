@@ -268,14 +268,17 @@ def _jitted(fn: Callable, static: ModelStatic | None, pool) -> tuple[Any, Any]:
     return jax.jit(sharded, donate_argnums=(0,)), mesh
 
 
-def compile_transition(fn: Callable, static: ModelStatic | None, args: tuple) -> Any:
+def compile_transition(
+    fn: Callable, static: ModelStatic | None, args: tuple, options: dict[str, Any] | None = None
+) -> Any:
     """`fn(*args, static=static)` (`fn(*args)` when static is None) compiled ahead of time for
     `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated. Under a mesh (the
     pool's leaves carry NamedShardings) it is traced under it (`jax.set_mesh`: the model reads the
-    tensor groups and the expert devices from it) and keeps the pool's shardings (`_jitted`)."""
+    tensor groups and the expert devices from it) and keeps the pool's shardings (`_jitted`).
+    `options`: XLA compiler options (None: the defaults the engine runs with)."""
     jitted, mesh = _jitted(fn, static, args[0])
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        return jitted.lower(*args).compile()
+        return jitted.lower(*args).compile(compiler_options=options)
 
 
 def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, platform: str) -> Any:

@@ -15,7 +15,11 @@ The programs, at the serve's largest shapes (`PoolCounts` of the evaluation):
 - prefill: `transitions.prefill_chunk` over one full chunk (`counts.prefill_bucket` of
   `counts.prefill_chunk` tokens: the Engine's largest prefill bucket);
 - decode / verify: `transitions.step_rows` at `bucket_width(real_slots)` sequences, T = 1 / K;
-- propose: `transitions.propose` at that width with `num_drafts` drafts (drafter serves only).
+- propose: `transitions.propose` at that width with `num_drafts` drafts (drafter serves only);
+- speculative: `transitions.speculative_step` (the fused scheduler step `Engine.speculative_step`
+  runs: write-on-accept verify at that width, T = K, then `num_drafts` drafts with the drafter,
+  none without) for speculative serves with snapshot rollback (replay rollback runs the composed
+  programs only). The composed programs stay planned: `diff` and replay rollback run them.
 
 Invariants:
 - Results are labelled with the backend they were compiled for (`jax.default_backend()` and the
@@ -33,6 +37,14 @@ Invariants:
   whose scratch XLA packs differently at few blocks (tests/test_memory_activations.py bounds an
   interpolated probe against the program compiled at its own shapes).
 - A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
+- Every program is compiled at the model's full depth. The scratch depends on the number of
+  layers (the list layout unrolls them; buffers a program holds across layers add per layer) and
+  not affinely from a small depth: XLA's heap peak moves from a depth-independent transient to
+  the held buffers as layers are added, so a figure extrapolated from reduced depths would
+  understate it.
+- The programs of one shape set compile side by side (threads; XLA compiles without the GIL),
+  with `ANALYSIS_OPTIONS` (the backend's code-generation options that leave buffer assignment,
+  hence `memory_analysis()`, as the Engine's default compile has it).
 - Under a tp x ep mesh (the settings' --tensor/--expert-parallel-size) the programs are compiled
   on that mesh of the local devices, with the engine's shardings (`engine.sharding`), and XLA's
   analysis is one device's; fewer local devices than the mesh is a `PlanError`.
@@ -48,8 +60,10 @@ import json
 import math
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -68,6 +82,7 @@ from metrale_jax.engine.inputs import (
     PrefillStatic,
     ProposeBatch,
     ProposeStatic,
+    SpeculativeStatic,
     StepBatch,
     StepStatic,
     abstract,
@@ -87,6 +102,12 @@ CACHE_VERSION = 1
 _PACKAGE = Path(__file__).resolve().parents[1]
 #: Sources that define the compiled programs; their digest is part of every cache key.
 _SOURCES = ("engine", "model", "params.py", "config.py")
+
+#: XLA options of the planner's compiles, by backend. NOTE: on CPU the LLVM optimisation level only
+#: changes the machine code emitted after buffer assignment, so `memory_analysis()` is the default
+#: compile's (tests/test_memory_activations.py compares with the Engine's own programs) at ~60% of
+#: the compile time.
+ANALYSIS_OPTIONS: dict[str, dict[str, Any]] = {"cpu": {"xla_backend_optimization_level": 0}}
 
 HOW_COMPILED = "compiled"
 HOW_CACHED = "cache"
@@ -181,6 +202,18 @@ def step_programs(
                 ProposeStatic(config, counts, ops, num_drafts=settings.num_drafts),
                 (pool, params, abstract(ProposeBatch.padded(counts, mbd, w))),
                 f"{w} seqs x {settings.num_drafts} drafts",
+            )
+        )
+    if counts.speculative and settings.ssm_rollback_mode == "snapshot":
+        nd = settings.num_drafts if drafter else 0
+        out.append(
+            StepProgram(
+                "speculative",
+                "speculative_step",
+                tr.speculative_step,
+                SpeculativeStatic(config, counts, ops, drafter=drafter, num_drafts=nd),
+                (pool, params, abstract(StepBatch.padded(counts, mbd, w, counts.k, verify=True))),
+                f"{w}x{counts.k} rows + {nd} drafts",
             )
         )
     return tuple(out)
@@ -286,7 +319,8 @@ class ActivationModel:
     once per distinct shape set (memory, then disk cache), interpolated for probes.
 
     `programs`: the report names to evaluate (default all; tests may restrict).
-    Counters: `compiled` (programs compiled by this process), `compile_seconds`, `cache_hits`.
+    Counters: `compiled` (programs compiled by this process), `compile_seconds` (summed over the
+    compiling threads), `cache_hits`.
     """
 
     def __init__(
@@ -311,6 +345,7 @@ class ActivationModel:
         self._params: Any = None
         self._points: dict[tuple, dict[str, ProgramMemory]] = {}
         self._anchor: dict[tuple, PoolCounts] = {}
+        self._lock = threading.Lock()
 
     # -- inputs
 
@@ -370,6 +405,7 @@ class ActivationModel:
             "jax": jax.__version__,
             "jaxlib": jaxlib.__version__,
             "backend": [self.backend, self.device_kind],
+            "options": ANALYSIS_OPTIONS.get(self.backend),
             "source": source_digest(),
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
@@ -426,10 +462,11 @@ class ActivationModel:
         how = HOW_CACHED
         if entry is None:
             t0 = time.perf_counter()
-            ma = compile_transition(p.fn, p.static, p.args).memory_analysis()  # as ProgramCache.run
+            ma = compile_transition(p.fn, p.static, p.args, ANALYSIS_OPTIONS.get(self.backend)).memory_analysis()
             seconds = time.perf_counter() - t0
-            self.compiled += 1
-            self.compile_seconds += seconds
+            with self._lock:
+                self.compiled += 1
+                self.compile_seconds += seconds
             entry = {
                 "program": p.name,
                 "shape": p.shape,
@@ -445,7 +482,8 @@ class ActivationModel:
             self._write(key, entry)
             how = HOW_COMPILED
         else:
-            self.cache_hits += 1
+            with self._lock:
+                self.cache_hits += 1
         fresh = entry["output_size_in_bytes"] - entry["alias_size_in_bytes"]
         return ProgramMemory(p.name, p.transition, p.shape, entry["temp_size_in_bytes"], fresh, how)
 
@@ -453,7 +491,10 @@ class ActivationModel:
         """Every program's bytes at exactly `counts` (memory, disk cache, else compiled)."""
         point = (_family(settings, counts), counts.kv_blocks, counts.draft_kv_blocks)
         if point not in self._points:
-            self._points[point] = {p.name: self._analyse(p) for p in self.programs_at(settings, counts)}
+            progs = self.programs_at(settings, counts)
+            # NOTE: XLA compiles without the GIL: the programs compile side by side, one per core.
+            with ThreadPoolExecutor(max(1, min(len(progs), os.cpu_count() or 1))) as pool:
+                self._points[point] = dict(zip((p.name for p in progs), pool.map(self._analyse, progs)))
         return self._points[point]
 
     # -- any evaluation

@@ -13,7 +13,8 @@ Invariants:
   the compiled step programs (`metrale_jax.memory.activations`); this module only sums them.
 - Every probe of an inverse query is a full evaluation (slots and counts recomputed); its
   activations are compiled once per distinct shape set, or interpolated in the KV block counts
-  from its family's compiled anchor (`ActivationModel.at(exact=False)`).
+  from its family's compiled anchor (`ActivationModel.at(exact=False)`), and only when the rest
+  fits: a probe that does not fit without activations does not fit with them.
 - `device_total = weights + pools + activations + runtime reserve` (activations 0 when skipped);
   fits iff `budget − device_total ≥ 0`. Every term is one device's: under a tp x ep mesh
   (`--tensor-parallel-size`, `--expert-parallel-size`) each buffer's shard, from the engine's
@@ -238,11 +239,12 @@ class Planner:
             return f"ISL + OSL = {w.tokens} tokens exceeds --max-seq-len {self.settings.max_seq_len}"
         return None
 
-    def evaluate(self, w: Workload, *, exact: bool = True) -> Evaluation:
+    def evaluate(self, w: Workload, *, exact: bool = True, activations: bool = True) -> Evaluation:
         """Every term at `w`. Raises Refused when the serve cannot run `w`.
 
         `exact`: compile the step programs at `w`'s own shapes (unless known); False (a probe)
-        lets a probe of an already-compiled family be interpolated in the KV block counts."""
+        lets a probe of an already-compiled family be interpolated in the KV block counts.
+        `activations=False`: leave the activations out (None), whatever the planner's model."""
         reason = self.refusal(w)
         if reason is not None:
             raise Refused(reason)
@@ -257,7 +259,11 @@ class Planner:
             pools=self.pools(self.config, counts, settings, self.dtype),
             budget=budget,
             runtime=runtime_reserve(budget),
-            activations=(self.activations.at(settings, counts, exact=exact) if self.activations is not None else None),
+            activations=(
+                self.activations.at(settings, counts, exact=exact)
+                if activations and self.activations is not None
+                else None
+            ),
         )
 
     def probe(self, w: Workload) -> Evaluation:
@@ -265,8 +271,12 @@ class Planner:
         return self.evaluate(w, exact=False)
 
     def fits(self, w: Workload) -> bool:
-        """`w` is runnable and its evaluation fits the budget."""
-        return self.refusal(w) is None and self.probe(w).fits
+        """`w` is runnable and its evaluation fits the budget. Activations are never negative: a
+        probe whose other terms alone exceed the budget does not fit, and its step programs are
+        not compiled."""
+        if self.refusal(w) is not None:
+            return False
+        return self.evaluate(w, exact=False, activations=False).fits and self.probe(w).fits
 
     def widest_concurrency(self, concurrency: int) -> int:
         """The top of the max-concurrency search: 128 when slots follow the concurrency, else
