@@ -1,0 +1,52 @@
+"""Device times of `tiny`'s decode and verify programs in the source tree this interpreter imports, for
+side-by-side comparisons of two trees (alternate the processes):
+
+    PYTHONPATH=/path/to/old/tree .venv/bin/python scripts/step_times.py old
+    PYTHONPATH=$PWD .venv/bin/python scripts/step_times.py new
+
+Pinned to one core; each program alone on its captured arguments (`benchmarks.steps.DeviceStep`), median of 300
+calls after 20.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+os.sched_setaffinity(0, {0})
+sys.path.insert(0, os.environ.get("PYTHONPATH", os.getcwd()).split(os.pathsep)[0])
+
+import metrale_jax  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.steps import DeviceStep  # noqa: E402
+from metrale_jax.engine.engine import Engine  # noqa: E402
+
+
+def device_ms(cfg, params, kind: str, n: int, k: int, rng) -> float:
+    """Median ms of one `kind` program (decode, or a verify of K = k rows) over n sequences of 128 tokens."""
+    flags: dict = dict(max_batch_size=8, max_seq_len=256)
+    if kind == "verify":
+        flags.update(speculative=True, num_drafts=k - 1, mtp_k_ladder=f"8:{k - 1}")
+    e = Engine(cfg, params, models.settings(**flags))
+    seqs = [e.alloc_sequence() for _ in range(n)]
+    for s in seqs:
+        e.prefill(s, rng.integers(0, cfg.vocab_size, 128).tolist())
+    if kind == "decode":
+        dev, _ = DeviceStep.capture(e, lambda: e.decode_batch(seqs, [1] * n))
+    else:
+        dev, _ = DeviceStep.capture(e, lambda: e.verify_batched(seqs, [1] * (n * k), [k] * n))
+    dev.time(20)
+    return round(dev.time(300) * 1e3, 4)
+
+
+def main() -> None:
+    cfg, params = models.model("tiny")
+    rng = np.random.default_rng(0)
+    out = {f"{kind} n={n} K={k}": device_ms(cfg, params, kind, n, k, rng) for kind, n, k in STEPS}
+    print(sys.argv[1] if len(sys.argv) > 1 else "", os.path.dirname(os.path.dirname(metrale_jax.__file__)), out)
+
+
+STEPS = [("decode", 1, 1), ("decode", 8, 1), ("verify", 8, 4)]
+
+if __name__ == "__main__":
+    main()
