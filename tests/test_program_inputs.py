@@ -47,8 +47,8 @@ def _signature(args) -> tuple:
 @pytest.fixture(scope="module")
 def served(tiny):
     """A tiny speculative engine after a full-width prefill, decode, verify (rolled back, then
-    verified again and committed) and propose, with every program call it made (first per
-    (program, static part))."""
+    verified again and committed), propose and fused speculative step, with every program call it
+    made (first per (program, static part))."""
     cfg, params = tiny
     s = settings(max_batch_size=N, max_seq_len=128, max_prefill_tokens=32, speculative=True, num_drafts=3)
     eng = Engine(cfg, params, s)
@@ -72,6 +72,9 @@ def served(tiny):
     eng.gdn_fold_accepted(seqs, [1] * N, [2] * N)
     eng.commit_accepted_prefixes(seqs, [1] * N, [2] * N)
     eng.propose_batched(seqs, [3] * N, s.num_drafts)
+    for q in seqs:
+        eng.trim_proposer(q)
+    eng.speculative_step(seqs, [2, 3] * N, [2] * N, s.num_drafts)
     record = eng.save_sequence_state(seqs[0])
     eng.programs.run = run
     return eng, calls, record
@@ -82,7 +85,7 @@ def test_engine_and_planner_build_the_same_abstract_inputs(served):
     arguments of the same tree structure, shapes and dtypes (pool and params included)."""
     eng, calls, _ = served
     planner = ActivationModel(eng.cfg, eng.dtype).programs_at(eng.settings, eng.counts)
-    assert [p.name for p in planner] == ["prefill", "decode", "verify", "propose"]
+    assert [p.name for p in planner] == ["prefill", "decode", "verify", "propose", "speculative"]
     for p in planner:
         assert (p.transition, p.static) in calls, p.name
         engine_args = calls[p.transition, p.static]
