@@ -372,7 +372,7 @@ def test_replay_rollback_matches_snapshot(eng, tiny, greedy_ref):
         params,
         settings(max_batch_size=2, max_seq_len=256, speculative=True, num_drafts=3, ssm_rollback_mode="replay"),
     )
-    assert rep.pool.trunk.verify_h is None and rep.pool.ckpt_h is not None
+    assert rep.pool.trunk.verify_h is None and rep.pool.trunk.ckpt_h is not None
     results = []
     for e in (eng, rep):
         seqs = [e.alloc_sequence(), e.alloc_sequence()]

@@ -24,6 +24,7 @@ from metrale_jax.engine.engine import Engine
 from metrale_jax.memory.activations import CACHE_ENV, ActivationModel, source_files
 from metrale_jax.memory.devices import find_device
 from metrale_jax.memory.plan import Planner, Workload
+from metrale_jax.model.layout import layer_groups, layer_period
 from metrale_jax.presets import PRESETS, resolve_checkpoint
 from metrale_jax.recipes import REPO_RECIPES_DIR
 from metrale_jax_cli.memory_cmd import memory, plan
@@ -143,6 +144,31 @@ def test_probes_compile_once_per_shape_set_and_interpolate_within_10_percent(rep
     # attention gathers from the stacked cache (no per-layer KV copy), so the prefill scratch is
     # the same at the probe's block count as at the anchor's
     assert exact.temp == next(q.temp for q in ev.activations.programs if q.name == "prefill")
+
+
+def test_a_deep_model_is_planned_from_two_depths_byte_for_byte(report, tmp_path):
+    """A model of 3 layer groups is compiled at 1 and 2 groups and extended affinely: every program's
+    scratch and fresh outputs equal the programs compiled at the full depth, byte for byte, and no
+    full-depth program is compiled."""
+    ev = report.evaluation
+    tiny = PRESETS["tiny"][0]
+    p, n = tiny.num_hidden_layers, 3 * tiny.num_hidden_layers
+    cfg = dataclasses.replace(
+        tiny,
+        num_hidden_layers=n,
+        layer_types=tiny.layer_types * 3,
+        mlp_only_layers=tuple(i + g * p for g in range(3) for i in tiny.mlp_only_layers),
+    )
+    assert layer_period(cfg) == p and layer_groups(cfg) == 3
+    probed = ActivationModel(cfg, jnp.float32, cache_dir=tmp_path / "probed")
+    assert [c.num_hidden_layers for c in probed.depths()] == [n // 3, 2 * n // 3]
+    full = ActivationModel(cfg, jnp.float32, cache_dir=tmp_path / "full", full_depth=True)
+    got, want = probed.exact(ev.settings, ev.counts), full.exact(ev.settings, ev.counts)
+    assert (probed.compiled, full.compiled) == (10, 5)
+    assert list(got) == list(want) == ["prefill", "decode", "verify", "propose", "speculative"]
+    for name, p in got.items():
+        assert (p.temp, p.outputs) == (want[name].temp, want[name].outputs), name
+        assert p.how == "compiled, depth 1+2 groups" and want[name].how == "compiled"
 
 
 def test_a_probe_that_cannot_fit_compiles_nothing(report, tmp_path):

@@ -11,7 +11,8 @@ Layout (L_lin GDN layers, L_full attention layers, L_mtp MTP layers; units from 
 - trunk.verify_h   [L_lin, h_step_rows, nv, dk, dv]  write-on-accept h rows, tiered per slot by
                    the K ladder (slot s owns rows h_step_offsets[s]..[s+1]); None without spec
 - trunk.verify_conv [L_lin, verify_slots, conv_steps, C, Kc]  window after each verify row
-- ckpt_h / ckpt_conv [L_lin, checkpoint_slots, ...]  pre-verify state (replay rollback)
+- trunk.ckpt_h / ckpt_conv [L_lin, checkpoint_slots, ...]  pre-verify state (replay rollback),
+                   written by each GDN layer of a verify as it reads the live state
 - draft_k/draft_v  [L_mtp, draft_kv_blocks, 16, KV, D]  the MTP head's own paged KV
 - stash            [slots, Hd]  per slot: the pre-norm hidden of the last processed trunk row,
                    the one the next propose pairs with the last sampled token
@@ -43,8 +44,6 @@ class EnginePool(struct.PyTreeNode):
     a frozen pytree that every transition takes donated and returns updated."""
 
     trunk: TrunkState
-    ckpt_h: jax.Array | None
-    ckpt_conv: jax.Array | None
     draft_k: jax.Array | None
     draft_v: jax.Array | None
     stash: jax.Array | None
@@ -63,8 +62,8 @@ POOL_LABELS = {
     "trunk.kv_v": "KV cache V (attention layers)",
     "trunk.verify_h": "GDN verify h rows (write-on-accept)",
     "trunk.verify_conv": "GDN verify conv rows",
-    "ckpt_h": "GDN pre-verify checkpoint h",
-    "ckpt_conv": "GDN pre-verify checkpoint conv",
+    "trunk.ckpt_h": "GDN pre-verify checkpoint h",
+    "trunk.ckpt_conv": "GDN pre-verify checkpoint conv",
     "draft_k": "MTP drafter KV K",
     "draft_v": "MTP drafter KV V",
     "stash": "accepted-hidden stash",
@@ -90,6 +89,7 @@ def allocate_pool(cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings
     kvdt = KV_DTYPES[settings.kv_cache_dtype]
     zeros = jnp.zeros
     spec = counts.speculative
+    ck = counts.checkpoint_slots
     trunk = TrunkState(
         gdn_h=zeros((nl, counts.slots, *h_unit), hdt),
         gdn_conv=zeros((nl, counts.slots, *conv_unit), dtype),
@@ -99,16 +99,15 @@ def allocate_pool(cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings
         verify_conv=zeros((nl, counts.verify_slots, counts.conv_steps, *conv_unit), dtype)
         if spec and counts.conv_steps
         else None,
+        ckpt_h=zeros((nl, ck, *h_unit), hdt) if ck else None,
+        ckpt_conv=zeros((nl, ck, *conv_unit), dtype) if ck else None,
     )
-    ck = counts.checkpoint_slots
     drafter = counts.drafter
     sn = counts.snapshot_slots
     dsn = sn if drafter else 0
     draft_unit = (counts.draft_block_size, *kv_unit)
     return EnginePool(
         trunk=trunk,
-        ckpt_h=zeros((nl, ck, *h_unit), hdt) if ck else None,
-        ckpt_conv=zeros((nl, ck, *conv_unit), dtype) if ck else None,
         draft_k=zeros((nm, counts.draft_kv_blocks, counts.draft_block_size, *kv_unit), kvdt) if drafter else None,
         draft_v=zeros((nm, counts.draft_kv_blocks, counts.draft_block_size, *kv_unit), kvdt) if drafter else None,
         stash=zeros((counts.stash_rows, cfg.hidden_size), dtype) if drafter else None,

@@ -148,11 +148,11 @@ def step_rows(
 ) -> tuple[jax.Array, jax.Array, jax.Array, EnginePool]:
     """Decode (T = 1) or batched verify (T = K_max) rows of B sequences (`StepBatch`).
 
-    Donated: pool. With verify, each sequence's pre-verify live state (h and conv) is first copied
-    into its checkpoint slot (vslot), then (write-on-accept, snapshot rollback) every GDN layer
-    writes the state after rows 0..K_i-2 into the slot's verify h rows and the window after every
-    row into its verify conv rows; the live slot holds the state after row K_i - 1. Without verify
-    (decode), the stash takes the row's hidden.
+    Donated: pool. With verify, every GDN layer copies each sequence's pre-verify live state (h and
+    conv) into its checkpoint slot (vslot) where checkpoint pools exist (replay rollback) and
+    (write-on-accept, snapshot rollback) writes the state after rows 0..K_i-2 into the slot's
+    verify h rows and the window after every row into its verify conv rows; the live slot holds
+    the state after row K_i - 1. Without verify (decode), the stash takes the row's hidden.
     Returns (logits [R_b, V] f32, argmax [R_b] int32, hidden [R_b, Hd] pre-norm, pool), R_b = B * T.
     """
     cfg, counts, verify = static.cfg, static.counts, static.verify
@@ -164,16 +164,6 @@ def step_rows(
     chex.assert_shape(row_index, (b * t,))
     chex.assert_type([tokens, lens, seq_lens, slots, row_index], jnp.int32)
     positions = _positions(seq_lens, lens, t)
-    if verify and pool.ckpt_h is not None:
-        assert pool.ckpt_conv is not None
-        h, c = _live(pool)
-        # NOTE: the checkpoint written, not the slots' state read, goes through the barrier: the
-        # read then fuses into the checkpoint's write instead of becoming an [L, B, ...] scratch
-        # buffer of its own.
-        (ckpt_h, ckpt_conv), (h, c) = ordered_read(
-            (pool.ckpt_h.at[:, vslot].set(h[:, slots]), pool.ckpt_conv.at[:, vslot].set(c[:, slots])), h, c
-        )
-        pool = pool.replace(trunk=pool.trunk.replace(gdn_h=h, gdn_conv=c), ckpt_h=ckpt_h, ckpt_conv=ckpt_conv)
     io = _pool_io(static, positions, batch.block_tables, slots=slots, lens=lens)
     if verify:  # write-on-accept: the GDN layers also write the sequences' verify rows
         io = dataclasses.replace(io, vrow_base=vrow_base, vslot=vslot)
@@ -189,15 +179,30 @@ def step_rows(
     return logits, first_argmax(logits), flat, pool
 
 
+def _per_layer_select(live: jax.Array, other: jax.Array, slots: jax.Array, mask: jax.Array, index) -> jax.Array:
+    """live [L, S, ...] with slot slots[i] of every layer set to other[l, *index][i] where mask [B]
+    holds, and kept elsewhere.
+
+    NOTE: one layer at a time (a loop over L): selecting every layer at once holds an
+    [L, B, ...] buffer (one GDN state per sequence and layer) to the program's end.
+    """
+
+    def layer(li, live):
+        src = other[(li, *index)]
+        keep = mask.reshape(mask.shape + (1,) * (src.ndim - 1))
+        return live.at[li, slots].set(jnp.where(keep, src, live[li, slots]))
+
+    return jax.lax.fori_loop(0, live.shape[0], layer, live)
+
+
 def _take_accepted(
     live: jax.Array, verify: jax.Array | None, slots: jax.Array, mask: jax.Array, index: tuple[jax.Array, ...]
 ) -> jax.Array:
-    """live [L, S, ...] with slot slots[i] set to verify[:, *index][:, i] where mask [1, B, 1, ...]
-    (the sequences that accepted fewer rows than they verified) holds, and kept elsewhere.
+    """live [L, S, ...] with slot slots[i] set to verify[:, *index][:, i] where mask [B] (the
+    sequences that accepted fewer rows than they verified) holds, and kept elsewhere.
     verify: the verify pool the accepted rows are read from (an array whenever a verify ran)."""
     assert verify is not None, "a verify's accepted state needs its verify pool"
-    picked = jnp.where(mask, verify[(slice(None), *index)], live[:, slots])
-    return live.at[:, slots].set(picked)
+    return _per_layer_select(live, verify, slots, mask, index)
 
 
 def gdn_fold_accepted(pool: EnginePool, verdicts: inputs.VerdictBatch) -> EnginePool:
@@ -211,7 +216,7 @@ def gdn_fold_accepted(pool: EnginePool, verdicts: inputs.VerdictBatch) -> Engine
     h, _ = _live(pool)
     partial = rows < ks
     src = jnp.where(partial, vrow_base + rows - 1, 0)
-    h = _take_accepted(h, pool.trunk.verify_h, slots, partial[None, :, None, None, None], (src,))
+    h = _take_accepted(h, pool.trunk.verify_h, slots, partial, (src,))
     return pool.replace(trunk=pool.trunk.replace(gdn_h=h))
 
 
@@ -220,11 +225,12 @@ def restore_checkpoint(pool: EnginePool, verdicts: inputs.VerdictBatch) -> Engin
     is set (reads slots, vslots, restore): the replay rollback's first half, and the undo of a
     verify whose verdict is abandoned. Donated: pool."""
     slots, vslots, mask = verdicts.slots, verdicts.vslots, verdicts.restore
-    assert pool.ckpt_h is not None and pool.ckpt_conv is not None
+    ckpt_h, ckpt_conv = pool.trunk.ckpt_h, pool.trunk.ckpt_conv
+    assert ckpt_h is not None and ckpt_conv is not None
     live_h, live_c = _live(pool)
-    h = jnp.where(mask[None, :, None, None, None], pool.ckpt_h[:, vslots], live_h[:, slots])
-    c = jnp.where(mask[None, :, None, None], pool.ckpt_conv[:, vslots], live_c[:, slots])
-    return pool.replace(trunk=pool.trunk.replace(gdn_h=live_h.at[:, slots].set(h), gdn_conv=live_c.at[:, slots].set(c)))
+    h = _per_layer_select(live_h, ckpt_h, slots, mask, (vslots,))
+    c = _per_layer_select(live_c, ckpt_conv, slots, mask, (vslots,))
+    return pool.replace(trunk=pool.trunk.replace(gdn_h=h, gdn_conv=c))
 
 
 def commit_conv(pool: EnginePool, verdicts: inputs.VerdictBatch) -> EnginePool:
@@ -235,9 +241,7 @@ def commit_conv(pool: EnginePool, verdicts: inputs.VerdictBatch) -> EnginePool:
     chex.assert_equal_shape([slots, vslots, rows, ks])
     _, c = _live(pool)
     partial = rows < ks
-    c = _take_accepted(
-        c, pool.trunk.verify_conv, slots, partial[None, :, None, None], (vslots, jnp.maximum(rows - 1, 0))
-    )
+    c = _take_accepted(c, pool.trunk.verify_conv, slots, partial, (vslots, jnp.maximum(rows - 1, 0)))
     return pool.replace(trunk=pool.trunk.replace(gdn_conv=c))
 
 

@@ -37,11 +37,16 @@ Invariants:
   whose scratch XLA packs differently at few blocks (tests/test_memory_activations.py bounds an
   interpolated probe against the program compiled at its own shapes).
 - A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
-- Every program is compiled at the model's full depth. The scratch depends on the number of
-  layers (the list layout unrolls them; buffers a program holds across layers add per layer) and
-  not affinely from a small depth: XLA's heap peak moves from a depth-independent transient to
-  the held buffers as layers are added, so a figure extrapolated from reduced depths would
-  understate it.
+- A model of G >= 3 layer groups (`model.layout.layer_groups`) is compiled at its first group and
+  its first two (`DEPTH_PROBE_GROUPS`, `truncate_groups`: same widths, MTP layers and counts),
+  and each program's bytes at G groups are the affine extension of the two: t1 + (t2 - t1)(G - 1).
+  The list layout unrolls the layers, and what a program holds across layers adds the same bytes
+  per group; the transients (a layer's, the MTP head's, the lm_head's) do not depend on the
+  depth. On the backends of `DEPTH_PROBE_BACKENDS` only; `full_depth=True` compiles at the
+  model's own depth (the tests compare both).
+  NOTE: this holds only while no program keeps an [L, B, ...] buffer whose peak overtakes the
+  transients at some depth: the verify writes each layer's checkpoint as the layer reads its
+  state, and the fold selects layer by layer (`engine.transitions`), for that reason.
 - The programs of one shape set compile side by side (threads; XLA compiles without the GIL),
   with `ANALYSIS_OPTIONS` (the backend's code-generation options that leave buffer assignment,
   hence `memory_analysis()`, as the Engine's default compile has it).
@@ -91,7 +96,7 @@ from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
 from metrale_jax.memory.errors import PlanError
-from metrale_jax.model.layout import arrange_layers
+from metrale_jax.model.layout import arrange_layers, layer_groups, truncate_groups
 from metrale_jax.params import init_params
 
 #: The environment variable naming the cache directory (default `$XDG_CACHE_HOME` or
@@ -112,6 +117,11 @@ ANALYSIS_OPTIONS: dict[str, dict[str, Any]] = {"cpu": {"xla_backend_optimization
 HOW_COMPILED = "compiled"
 HOW_CACHED = "cache"
 HOW_INTERPOLATED = "interpolated"
+#: The depths, in layer groups, a deep model's programs are compiled at, and the backends where
+#: the affine extension from them was checked byte for byte against the full depth (elsewhere
+#: the programs compile at full depth; `scripts/depth_probe_check.py` checks a backend).
+DEPTH_PROBE_GROUPS = (1, 2)
+DEPTH_PROBE_BACKENDS = ("cpu",)
 
 
 def default_cache_dir() -> Path:
@@ -331,8 +341,10 @@ class ActivationModel:
         forward: str = "xla",
         cache_dir: Path | None = None,
         programs: tuple[str, ...] | None = None,
+        full_depth: bool = False,
     ):
         self.config = config
+        self.full_depth = full_depth
         self.dtype = dtype
         self.forward = forward
         self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
@@ -342,7 +354,7 @@ class ActivationModel:
         self.cache_hits = 0
         self.backend, self.device_kind = backend_label()
         self._ops: Ops | None = None
-        self._params: Any = None
+        self._params: dict[ModelConfig, Any] = {}
         self._points: dict[tuple, dict[str, ProgramMemory]] = {}
         self._anchor: dict[tuple, PoolCounts] = {}
         self._lock = threading.Lock()
@@ -357,13 +369,23 @@ class ActivationModel:
             self._ops = make_ops(self.forward)
         return self._ops
 
-    @property
-    def params(self):
-        """The Engine's parameter tree (its default layout, `list`), abstract."""
-        if self._params is None:
-            cfg, dtype = self.config, self.dtype
-            self._params = jax.eval_shape(lambda: arrange_layers(init_params(cfg, 0, dtype), cfg, "list"))
-        return self._params
+    def params(self, cfg: ModelConfig):
+        """The Engine's parameter tree of `cfg` (its default layout, `list`), abstract."""
+        if cfg not in self._params:
+            dtype = self.dtype
+            self._params[cfg] = jax.eval_shape(lambda: arrange_layers(init_params(cfg, 0, dtype), cfg, "list"))
+        return self._params[cfg]
+
+    def depths(self) -> tuple[ModelConfig, ...]:
+        """The configs the programs compile at: the model's own, or its `DEPTH_PROBE_GROUPS`
+        truncations (see the module docstring)."""
+        if (
+            self.full_depth
+            or self.backend not in DEPTH_PROBE_BACKENDS
+            or layer_groups(self.config) <= max(DEPTH_PROBE_GROUPS)
+        ):
+            return (self.config,)
+        return tuple(truncate_groups(self.config, g) for g in DEPTH_PROBE_GROUPS)
 
     def mesh(self, settings: EngineSettings) -> Mesh | None:
         """The local devices' mesh the settings name (None: one device). Raises PlanError when
@@ -377,12 +399,15 @@ class ActivationModel:
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * ep}, or pass --no-activations)"
             ) from None
 
-    def programs_at(self, settings: EngineSettings, counts: PoolCounts) -> tuple[StepProgram, ...]:
-        """The abstract step programs at `counts` (pool traced with `allocate_pool`), sharded as
-        the engine shards them under the settings' mesh."""
-        cfg, dtype, mesh = self.config, self.dtype, self.mesh(settings)
+    def programs_at(
+        self, settings: EngineSettings, counts: PoolCounts, cfg: ModelConfig | None = None
+    ) -> tuple[StepProgram, ...]:
+        """The abstract step programs of `cfg` (default: the model's) at `counts` (pool traced with
+        `allocate_pool`), sharded as the engine shards them under the settings' mesh."""
+        cfg = self.config if cfg is None else cfg
+        dtype, mesh = self.dtype, self.mesh(settings)
         pool = abstract_pool(cfg, counts, settings, dtype=dtype, mesh=mesh)
-        params = self.params
+        params = self.params(cfg)
         if mesh is not None:
             params = jax.tree_util.tree_map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -488,13 +513,21 @@ class ActivationModel:
         return ProgramMemory(p.name, p.transition, p.shape, entry["temp_size_in_bytes"], fresh, how)
 
     def exact(self, settings: EngineSettings, counts: PoolCounts) -> dict[str, ProgramMemory]:
-        """Every program's bytes at exactly `counts` (memory, disk cache, else compiled)."""
+        """Every program's bytes at exactly `counts` (memory, disk cache, else compiled), at the
+        model's depth or extended from the probe depths (see the module docstring)."""
         point = (_family(settings, counts), counts.kv_blocks, counts.draft_kv_blocks)
         if point not in self._points:
-            progs = self.programs_at(settings, counts)
+            per_depth = [self.programs_at(settings, counts, cfg) for cfg in self.depths()]
             # NOTE: XLA compiles without the GIL: the programs compile side by side, one per core.
-            with ThreadPoolExecutor(max(1, min(len(progs), os.cpu_count() or 1))) as pool:
-                self._points[point] = dict(zip((p.name for p in progs), pool.map(self._analyse, progs)))
+            flat = [p for progs in per_depth for p in progs]
+            with ThreadPoolExecutor(max(1, min(len(flat), os.cpu_count() or 1))) as pool:
+                rows = iter(list(pool.map(self._analyse, flat)))
+            analysed = [[next(rows) for _ in progs] for progs in per_depth]
+            if len(analysed) == 1:
+                self._points[point] = {m.name: m for m in analysed[0]}
+            else:
+                groups = layer_groups(self.config)
+                self._points[point] = {m.name: _extend(m, m2, groups) for m, m2 in zip(*analysed)}
         return self._points[point]
 
     # -- any evaluation
@@ -547,6 +580,18 @@ class ActivationModel:
 
     def _result(self, rows: tuple[ProgramMemory, ...], note: str = "") -> Activations:
         return Activations(self.backend, self.device_kind, self.forward, jax.__version__, rows, note)
+
+
+def _extend(one: ProgramMemory, two: ProgramMemory, groups: int) -> ProgramMemory:
+    """A program's bytes at `groups` layer groups from its analyses at 1 and 2 groups (affine)."""
+    assert (one.name, one.shape) == (two.name, two.shape)
+    how = HOW_COMPILED if HOW_COMPILED in (one.how, two.how) else one.how
+    return dataclasses.replace(
+        one,
+        temp=one.temp + (two.temp - one.temp) * (groups - 1),
+        outputs=one.outputs + (two.outputs - one.outputs) * (groups - 1),
+        how=f"{how}, depth {DEPTH_PROBE_GROUPS[0]}+{DEPTH_PROBE_GROUPS[1]} groups",
+    )
 
 
 def _family(settings: EngineSettings, counts: PoolCounts) -> tuple:

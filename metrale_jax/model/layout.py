@@ -3,7 +3,8 @@
 Owns: `Layout` (`list`: `layers`, one parameter tree per layer, the default; `scan`:
 `layer_groups`, the repeated groups stacked so the trunk compiles one group body and loops over
 it), `layer_period` (the repeating pattern of (mixer kind, MoE or dense) in a config),
-`stack_layer_groups` and `arrange_layers` (params in a named layout).
+`stack_layer_groups` and `arrange_layers` (params in a named layout), `layer_groups` and
+`truncate_groups` (the same model cut to its first groups, for the memory planner's depth probes).
 
 Invariants:
 - `trunk` computes the same layers in the same order with either layout.
@@ -19,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, get_args
 
 import jax
@@ -47,6 +49,24 @@ def layer_period(cfg: ModelConfig) -> int:
         if n % p == 0 and all(_signature(cfg, i) == _signature(cfg, i % p) for i in range(n)):
             return p
     return n
+
+
+def layer_groups(cfg: ModelConfig) -> int:
+    """How many times the layer period repeats (1 when nothing repeats)."""
+    return cfg.num_hidden_layers // layer_period(cfg)
+
+
+def truncate_groups(cfg: ModelConfig, groups: int) -> ModelConfig:
+    """`cfg` with only its first `groups` layer groups (1 <= groups <= layer_groups(cfg)): every
+    kept layer has the kind and FFN it had; MTP layers, widths and vocabulary unchanged."""
+    assert 1 <= groups <= layer_groups(cfg), (groups, layer_groups(cfg))
+    n = groups * layer_period(cfg)
+    return dataclasses.replace(
+        cfg,
+        num_hidden_layers=n,
+        layer_types=cfg.layer_types[:n],
+        mlp_only_layers=tuple(i for i in cfg.mlp_only_layers if i < n),
+    )
 
 
 def stack_layer_groups(params: dict, cfg: ModelConfig) -> dict:

@@ -11,7 +11,9 @@ Invariants:
   verify) runs the recurrence row by row and, when verify rows are present, writes the state after
   every row but the last into the sequence's verify rows (write-on-accept) and the conv window after
   every row into its verify conv rows. The live slot always ends holding the state after the last
-  valid row.
+  valid row. With checkpoint pools present, a verify also writes each GDN layer's pre-verify live
+  state and window into the sequence's checkpoint slot, layer by layer as the layer reads them
+  (a copy of every layer at once would hold an [L_lin, B, ...] buffer for the whole program).
 - Which implementation computes each op (jnp reference or Pallas kernel) is the `ops` object's
   business (an `Ops`: `kernels_pallas.ops`); this file never changes with the forward.
 - Every kernel-backed op (GDN chunk, GDN rows, attention) runs between XLA optimization barriers
@@ -60,7 +62,9 @@ class TrunkState(struct.PyTreeNode):
 
     gdn_h [L_lin, S, nv, dk, dv] (f32 or f16 pool); gdn_conv [L_lin, S, C, Kc] (both None in the
     drafter's state, which has attention layers only); kv_k / kv_v [L_full, NB, bs, KV, D];
-    verify_h [L_lin, R_v, nv, dk, dv] or None; verify_conv [L_lin, S_v, K_v, C, Kc] or None."""
+    verify_h [L_lin, R_v, nv, dk, dv] or None; verify_conv [L_lin, S_v, K_v, C, Kc] or None;
+    ckpt_h [L_lin, S_c, nv, dk, dv] / ckpt_conv [L_lin, S_c, C, Kc] or None (pre-verify
+    checkpoints, replay rollback)."""
 
     gdn_h: jax.Array | None
     gdn_conv: jax.Array | None
@@ -68,6 +72,8 @@ class TrunkState(struct.PyTreeNode):
     kv_v: jax.Array
     verify_h: jax.Array | None = None
     verify_conv: jax.Array | None = None
+    ckpt_h: jax.Array | None = None
+    ckpt_conv: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +86,8 @@ class PoolIO:
     the module docstring); ops: the forward's `Ops` (static); fresh [B] bool or None (sequences
     starting at position 0 read a zero state and window, whatever their slot held); verify
     addressing (only with gdn_mode="rows" and verify pools present): vrow_base [B] (first verify-h
-    row of the sequence), vslot [B] (verify conv slot).
+    row of the sequence), vslot [B] (verify conv slot, and checkpoint slot where checkpoint pools
+    are present).
     """
 
     cfg: ModelConfig
@@ -103,6 +110,11 @@ class PoolIO:
             (state.gdn_h[li, self.slots], state.gdn_conv[li, self.slots]), state.gdn_h, state.gdn_conv
         )
         state = state.replace(gdn_h=gdn_h, gdn_conv=gdn_conv)
+        if self.vslot is not None and state.ckpt_h is not None:
+            assert state.ckpt_conv is not None
+            state = state.replace(
+                ckpt_h=state.ckpt_h.at[li, self.vslot].set(h0), ckpt_conv=state.ckpt_conv.at[li, self.vslot].set(w0)
+            )
         h0 = h0.astype(jnp.float32)
         if self.fresh is not None:
             h0 = jnp.where(self.fresh[:, None, None, None], 0.0, h0)
