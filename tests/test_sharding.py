@@ -18,6 +18,7 @@ single-device engine (tp 1 x ep 1), float32 tiny models:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -94,6 +95,15 @@ def test_the_diff_passes_its_tp2_variant(tmp_path):
 
 def test_the_layout_table_names_every_pool_leaf():
     assert set(sharding.POOL_LAYOUT) == set(POOL_LABELS)
+
+
+def test_the_lm_head_splits_by_vocabulary_rows_and_the_embedding_stays_whole():
+    div = sharding.param_divisors(TINY, 2, 2)
+    assert (div[("lm_head",)], div[("embed",)]) == (2, 1)
+    odd = dataclasses.replace(TINY, vocab_size=251)
+    sharding.check_mesh(dataclasses.replace(odd, tie_word_embeddings=True), 2, 1, 8)  # tied: stays whole
+    with pytest.raises(sharding.MeshError, match="2 does not divide the model's 251 vocabulary entries"):
+        sharding.check_mesh(odd, 2, 1, 8)
 
 
 def test_group_major_order_is_a_permutation_per_group():

@@ -21,7 +21,9 @@ contraction over a sharded axis becomes an all-reduce):
   device runs its own: `model.mlp`); the MoE's stacked router /
   shared-expert input projection and `shared_down` replicated (the router and the one-row shared
   gate do not split by heads);
-- embedding, lm_head, norms, the MTP fc and the stash replicated.
+- lm_head (untied) by vocabulary rows: each device computes its slice of the logits and the
+  argmax / softmax over the vocabulary reduce across devices; the embedding (which a tied
+  lm_head shares), norms, the MTP fc and the stash replicated.
 
 Invariants:
 - A row-stacked leaf sharded over `tp` is stored group-major (`model.linear.split_groups`): the
@@ -73,6 +75,7 @@ def _conv_parts(cfg: ModelConfig) -> tuple[int, ...]:
 # a shared expert. A leading layer-group axis (scan layout) or layer axis (pool) is never sharded.
 Axes = tuple[str | tuple[str, ...] | None, ...]
 PARAM_LAYOUT: dict[tuple[str, str], tuple[Axes, Callable[[ModelConfig], tuple[int, ...]] | None]] = {
+    ("", "lm_head"): ((TP, None), None),
     ("gdn", "w_in"): ((TP, None), _gdn_parts),
     ("gdn", "conv"): ((TP, None), _conv_parts),
     ("gdn", "dt_bias"): ((TP,), None),
@@ -109,7 +112,8 @@ POOL_LAYOUT: dict[str, tuple[tuple[str | None, ...], bool]] = {
 
 def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
     """Raise MeshError (one line) unless tp >= 1, ep >= 1, tp divides the attention KV heads, the GDN
-    key heads, the attention heads, the GDN value heads and the dense MLP width, tp * ep divides the
+    key heads, the attention heads, the GDN value heads, the dense MLP width and (an untied lm_head)
+    the vocabulary, tp * ep divides the
     experts (ep = 1 without experts), and tp * ep <= devices."""
     if tp < 1 or ep < 1:
         raise MeshError(f"--tensor-parallel-size {tp} and --expert-parallel-size {ep} must be >= 1")
@@ -121,6 +125,8 @@ def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
     }
     if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         heads["dense MLP intermediate size"] = cfg.intermediate_size
+    if not cfg.tie_word_embeddings:
+        heads["vocabulary entries"] = cfg.vocab_size
     for what, n in heads.items():
         if n and n % tp:
             raise MeshError(f"--tensor-parallel-size {tp} does not divide the model's {n} {what}")
