@@ -131,16 +131,12 @@ def run_verify(
                 else:
                     last[i] = int(argmax[off[i] + na[i]])
                 pos[i] += na[i] + 1
-            parts = [Part("verify logits", logits, "logits")]
+            proposed = None
             if num_drafts:
-                drafts, conf, draft_logits = engine.propose_batched(seqs, last, num_drafts)
+                proposed = engine.propose_batched(seqs, last, num_drafts)
                 for seq in seqs:
                     engine.trim_proposer(seq, 0)
-                parts += [
-                    Part("propose logits", draft_logits, "logits"),
-                    Part("drafts", drafts, "tokens"),
-                    Part("confidences", conf, "values"),
-                ]
+            parts = _step_parts(logits, proposed)
             if states is not None:
                 states.append([engine.save_sequence_state(q) for q in seqs])
             out.append(Logged(tuple(int(t) for t in tokens), tuple(na)))
@@ -180,18 +176,12 @@ def run_fused(
             logits, argmax = engine.verify_batched(seqs, tokens, ks)
             engine.accept(seqs, na)
             emitted = [int(argmax[off[i] + j]) for i in range(n) for j in range(na[i] + 1)]
-            parts = [Part("verify logits", logits, "logits")]
+            proposed = None
             if nd:
-                drafts, conf, draft_logits = engine.propose_batched(
-                    seqs, [int(argmax[off[i] + na[i]]) for i in range(n)], nd
-                )
+                proposed = engine.propose_batched(seqs, [int(argmax[off[i] + na[i]]) for i in range(n)], nd)
                 for seq in seqs:
                     engine.trim_proposer(seq, 0)
-                parts += [
-                    Part("propose logits", draft_logits, "logits"),
-                    Part("drafts", drafts, "tokens"),
-                    Part("confidences", conf, "values"),
-                ]
+            parts = _step_parts(logits, proposed)
             composed.step_ms.append((time.perf_counter() - t0) * 1e3)
             composed.steps.append(parts + _outcome(engine, seqs, na, emitted))
             engine.pool = pool
@@ -202,18 +192,25 @@ def run_fused(
             t0 = time.perf_counter()
             out = engine.speculative_step(seqs, tokens, ks, nd, logits=True)
             fused.step_ms.append((time.perf_counter() - t0) * 1e3)
-            parts = [Part("verify logits", out.verify_logits, "logits")]
-            if nd:
-                parts += [
-                    Part("propose logits", out.draft_logits, "logits"),
-                    Part("drafts", out.drafts, "tokens"),
-                    Part("confidences", out.confidences, "values"),
-                ]
+            parts = _step_parts(out.verify_logits, (out.drafts, out.confidences, out.draft_logits) if nd else None)
             emitted = [t for e in out.emitted for t in e]
             fused.steps.append(parts + _outcome(engine, seqs, [int(a) for a in out.accepted], emitted))
             progress.advance()
     composed.enqueue_ms, fused.enqueue_ms = composed.step_ms, fused.step_ms
     return composed, fused
+
+
+def _step_parts(verify_logits, proposed) -> list[Part]:
+    """A step's verify logits and, when it proposed, (drafts, confidences, last-draft logits) as parts."""
+    parts = [Part("verify logits", verify_logits, "logits")]
+    if proposed is not None:
+        drafts, conf, draft_logits = proposed
+        parts += [
+            Part("propose logits", draft_logits, "logits"),
+            Part("drafts", drafts, "tokens"),
+            Part("confidences", conf, "values"),
+        ]
+    return parts
 
 
 def _outcome(engine, seqs, accepted: Sequence[int], emitted: Sequence[int]) -> list[Part]:
