@@ -113,8 +113,7 @@ POOL_LAYOUT: dict[str, tuple[tuple[str | None, ...], bool]] = {
 def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
     """Raise MeshError (one line) unless tp >= 1, ep >= 1, tp divides the attention KV heads, the GDN
     key heads, the attention heads, the GDN value heads, the dense MLP width and (an untied lm_head)
-    the vocabulary, tp * ep divides the
-    experts (ep = 1 without experts), and tp * ep <= devices."""
+    the vocabulary, tp * ep divides the experts (ep = 1 without experts), and tp * ep <= devices."""
     if tp < 1 or ep < 1:
         raise MeshError(f"--tensor-parallel-size {tp} and --expert-parallel-size {ep} must be >= 1")
     heads = {
