@@ -107,6 +107,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
         s = s * jnp.exp(g_last)[..., None, None] + jnp.einsum("...ck,...cv->...kv", k_out, v_new)
         return s, jnp.moveaxis(o, 3, 1)  # [B, C, Hk, r, dv]
 
-    final, o = jax.lax.scan(step, initial_state.reshape(b, hk, r, dk, dv), xs)  # o [N, B, C, Hk, r, dv]
+    def chunk(i, carry):
+        s, o = carry
+        s, o_i = step(s, tuple(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs))
+        return s, jax.lax.dynamic_update_index_in_dim(o, o_i, i, 0)
+
+    # NOTE: the chunk outputs go into a buffer that starts as the chunked v (same shape, every
+    # chunk overwritten), not into a scan's stacked outputs: XLA starts those from a constant and
+    # schedules each layer's copy of it at the program's start, so a prefill held one [N, B, C, H,
+    # dv] f32 buffer per GDN layer from its start to the layer.
+    final, o = jax.lax.fori_loop(
+        0, n, chunk, (initial_state.reshape(b, hk, r, dk, dv), xs[2])
+    )  # o [N, B, C, Hk, r, dv]
     o = jnp.moveaxis(o, 0, 1).reshape(b, n * c, heads, dv)[:, :t]
     return o, final.reshape(b, heads, dk, dv)

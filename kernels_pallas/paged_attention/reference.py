@@ -137,6 +137,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         )
 
     init = (jnp.zeros((b, kvh, mp, d), f32), jnp.full((b, kvh, mp), -jnp.inf, f32), jnp.zeros((b, kvh, mp), f32))
+    # NOTE: the running sums start after the rows exist: a loop state that starts as a constant
+    # is copied out of it where XLA schedules it, the program's start, so a prefill held one
+    # [B, KV, Mp, D] f32 buffer per attention layer from its start to the layer.
+    init, _ = lax.optimization_barrier((init, rows))
     max_tiles = tables.shape[1] // pages
     if max_tiles <= UNROLL_TILES:
         # NOTE: a short table is walked tile by tile without a loop (every tile; a sequence past
