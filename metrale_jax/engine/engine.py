@@ -350,7 +350,10 @@ class Engine:
             self._release_blocks(seq.blocks, seq.draft_blocks)
             seq.blocks, seq.draft_blocks = [], []
             raise
-        x = self._snapshot_copy(seq, hit.snapshot.slot, p)
+        x = SnapshotCopy.padded(self.counts)
+        x.slot[...], x.snap[...] = seq.slot, hit.snapshot.slot
+        if self.drafter:
+            x.draft_block[...] = seq.draft_blocks[(p - 1) // self.counts.draft_block_size]
         self.pool = self.programs.run("restore_snapshot", tr.restore_snapshot, None, self.pool, x)
         seq.seq_len, seq.tokens, seq.shared_len, seq.drafter_len = p, tokens[:p], p, p - 1
 
@@ -372,17 +375,11 @@ class Engine:
         snap = self.prefix.snapshots.claim(keys[-1], n)
         if snap is None:
             return
-        x = self._snapshot_copy(seq, snap.slot, n)
-        self.pool = self.programs.run("take_snapshot", tr.take_snapshot, None, self.pool, x)
-
-    def _snapshot_copy(self, seq: SequenceState, snap_slot: int, position: int) -> SnapshotCopy:
-        """The copy between `seq`'s slot and snapshot slot `snap_slot` of the state after `position`
-        tokens (with a drafter, the drafter block holding position - 1, the partial one)."""
         x = SnapshotCopy.padded(self.counts)
-        x.slot[...], x.snap[...] = seq.slot, snap_slot
+        x.slot[...], x.snap[...] = seq.slot, snap.slot
         if self.drafter:
-            x.draft_block[...] = seq.draft_blocks[(position - 1) // self.counts.draft_block_size]
-        return x
+            x.draft_block[...] = seq.draft_blocks[(n - 1) // self.counts.draft_block_size]
+        self.pool = self.programs.run("take_snapshot", tr.take_snapshot, None, self.pool, x)
 
     @staticmethod
     def _fetch(x: jax.Array) -> np.ndarray:

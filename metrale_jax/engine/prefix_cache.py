@@ -57,6 +57,7 @@ class BlockCache:
         self._key: dict[int, Key] = {}
         self._refs: dict[int, int] = {}
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evictions = 0
 
     def lookup(self, key: Key) -> int | None:
         return self._block.get(key)
@@ -105,6 +106,7 @@ class BlockCache:
         out = [self._lru.popitem(last=False)[0] for _ in range(n)]
         for b in out:
             del self._block[self._key.pop(b)], self._refs[b]
+        self.evictions += n
         return out
 
     def evict_block(self, block: int) -> None:
@@ -130,6 +132,7 @@ class SnapshotTable:
     def __init__(self, n: int):
         self.n = n
         self._by_key: collections.OrderedDict[Key, Snapshot] = collections.OrderedDict()
+        self.evictions = 0
 
     def peek(self, key: Key) -> Snapshot | None:
         return self._by_key.get(key)
@@ -149,8 +152,12 @@ class SnapshotTable:
             slot = len(self._by_key)
         else:
             slot = self._by_key.popitem(last=False)[1].slot
+            self.evictions += 1
         snap = self._by_key[key] = Snapshot(slot, position)
         return snap
+
+    def __len__(self) -> int:
+        return len(self._by_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +182,7 @@ class PrefixCache:
         self.kv = BlockCache("KV")
         self.draft = BlockCache("drafter KV")
         self.snapshots = SnapshotTable(snapshot_slots)
+        self.lookups = self.hits = 0
 
     def kv_keys(self, namespace: str, tokens: Sequence[int]) -> list[Key]:
         return chain_keys(namespace, TRUNK, tokens, self.block_size)
@@ -192,7 +200,8 @@ class PrefixCache:
     def longest(self, namespace: str, tokens: Sequence[int]) -> Hit | None:
         """The longest restorable prefix of `tokens` shorter than all of it (a prefill computes at
         least one token): a snapshot at a block-aligned position p whose KV blocks (and drafter
-        blocks) are all still cached. Touches what it returns in the LRUs."""
+        blocks) are all still cached. Touches what it returns in the LRUs; counts the lookup."""
+        self.lookups += 1
         keys = self.kv_keys(namespace, tokens[: len(tokens) - 1])
         for j in range(len(keys) - 1, -1, -1):
             snap = self.snapshots.peek(keys[j])
@@ -204,5 +213,6 @@ class PrefixCache:
             if any(b is None for b in blocks + draft):
                 continue
             self.snapshots.touch(keys[j])
+            self.hits += 1
             return Hit(snap, [int(b) for b in blocks if b is not None], [int(b) for b in draft if b is not None])
         return None
