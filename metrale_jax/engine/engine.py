@@ -350,10 +350,7 @@ class Engine:
             self._release_blocks(seq.blocks, seq.draft_blocks)
             seq.blocks, seq.draft_blocks = [], []
             raise
-        x = SnapshotCopy.padded(self.counts)
-        x.slot[...], x.snap[...] = seq.slot, hit.snapshot.slot
-        if self.drafter:
-            x.draft_block[...] = seq.draft_blocks[(p - 1) // self.counts.draft_block_size]
+        x = self._snapshot_copy(seq, hit.snapshot.slot, p)
         self.pool = self.programs.run("restore_snapshot", tr.restore_snapshot, None, self.pool, x)
         seq.seq_len, seq.tokens, seq.shared_len, seq.drafter_len = p, tokens[:p], p, p - 1
 
@@ -375,11 +372,18 @@ class Engine:
         snap = self.prefix.snapshots.claim(keys[-1], n)
         if snap is None:
             return
-        x = SnapshotCopy.padded(self.counts)
-        x.slot[...], x.snap[...] = seq.slot, snap.slot
-        if self.drafter:
-            x.draft_block[...] = seq.draft_blocks[(n - 1) // self.counts.draft_block_size]
+        x = self._snapshot_copy(seq, snap.slot, n)
         self.pool = self.programs.run("take_snapshot", tr.take_snapshot, None, self.pool, x)
+
+    def _snapshot_copy(self, seq: SequenceState, snap_slot: int, position: int) -> SnapshotCopy:
+        """The input of a snapshot copy between `seq`'s slot and snapshot slot `snap_slot` at
+        `position` tokens: with a drafter, the drafter block holding position - 1 (the partial
+        block the snapshot carries)."""
+        x = SnapshotCopy.padded(self.counts)
+        x.slot[...], x.snap[...] = seq.slot, snap_slot
+        if self.drafter:
+            x.draft_block[...] = seq.draft_blocks[(position - 1) // self.counts.draft_block_size]
+        return x
 
     @staticmethod
     def _fetch(x: jax.Array) -> np.ndarray:

@@ -39,7 +39,8 @@ Invariants:
 - A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
 - A model of G >= 3 layer groups (`model.layout.layer_groups`) is compiled at its first group and
   its first two (`DEPTH_PROBE_GROUPS`, `truncate_groups`: same widths, MTP layers and counts),
-  and each program's bytes at G groups are the affine extension of the two: t1 + (t2 - t1)(G - 1).
+  and each program's bytes at G groups are the affine extension of the two: t1 + (t2 - t1)(G - 1);
+  a program that runs no trunk layer (`StepProgram.trunk_free`: the propose) at the first only.
   The list layout unrolls the layers, and what a program holds across layers adds the same bytes
   per group; the transients (a layer's, the MTP head's, the lm_head's) do not depend on the
   depth. On the backends of `DEPTH_PROBE_BACKENDS` only; `full_depth=True` compiles at the
@@ -162,7 +163,9 @@ def backend_label() -> tuple[str, str]:
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
     """One transition call as the Engine makes it: report `name`, the `ProgramCache` name
-    (`transition`), the function, its static part and its abstract arguments (pool, params, input)."""
+    (`transition`), the function, its static part and its abstract arguments (pool, params, input).
+    `trunk_free`: the program runs no trunk layer and passes the trunk's pool leaves through
+    donated, so its bytes do not depend on the depth (the depth probe compiles it once)."""
 
     name: str
     transition: str
@@ -170,6 +173,7 @@ class StepProgram:
     static: ModelStatic
     args: tuple
     shape: str
+    trunk_free: bool = False
 
 
 def step_programs(
@@ -212,6 +216,7 @@ def step_programs(
                 ProposeStatic(config, counts, ops, num_drafts=settings.num_drafts),
                 (pool, params, abstract(ProposeBatch.padded(counts, mbd, w))),
                 f"{w} seqs x {settings.num_drafts} drafts",
+                trunk_free=True,
             )
         )
     if counts.speculative and settings.ssm_rollback_mode == "snapshot":
@@ -517,17 +522,22 @@ class ActivationModel:
         model's depth or extended from the probe depths (see the module docstring)."""
         point = (_family(settings, counts), counts.kv_blocks, counts.draft_kv_blocks)
         if point not in self._points:
-            per_depth = [self.programs_at(settings, counts, cfg) for cfg in self.depths()]
-            # NOTE: XLA compiles without the GIL: the programs compile side by side, one per core.
-            flat = [p for progs in per_depth for p in progs]
+            depths = self.depths()
+            per_depth = [self.programs_at(settings, counts, cfg) for cfg in depths]
+            # A trunk-free program compiles at the first depth only (its bytes are the same at each).
+            per_depth[1:] = [tuple(p for p in progs if not p.trunk_free) for progs in per_depth[1:]]
+            # NOTE: XLA compiles without the GIL: the programs compile side by side, one per core;
+            # the longest (most layers) first, so the last to start is a short one.
+            flat = [p for progs in reversed(per_depth) for p in progs]
             with ThreadPoolExecutor(max(1, min(len(flat), os.cpu_count() or 1))) as pool:
-                rows = iter(list(pool.map(self._analyse, flat)))
-            analysed = [[next(rows) for _ in progs] for progs in per_depth]
+                done = dict(zip(map(id, flat), pool.map(self._analyse, flat)))
+            analysed = [{p.name: done[id(p)] for p in progs} for progs in per_depth]
             if len(analysed) == 1:
-                self._points[point] = {m.name: m for m in analysed[0]}
+                self._points[point] = analysed[0]
             else:
                 groups = layer_groups(self.config)
-                self._points[point] = {m.name: _extend(m, m2, groups) for m, m2 in zip(*analysed)}
+                first, second = analysed
+                self._points[point] = {name: _extend(m, second.get(name), groups) for name, m in first.items()}
         return self._points[point]
 
     # -- any evaluation
@@ -582,8 +592,11 @@ class ActivationModel:
         return Activations(self.backend, self.device_kind, self.forward, jax.__version__, rows, note)
 
 
-def _extend(one: ProgramMemory, two: ProgramMemory, groups: int) -> ProgramMemory:
-    """A program's bytes at `groups` layer groups from its analyses at 1 and 2 groups (affine)."""
+def _extend(one: ProgramMemory, two: ProgramMemory | None, groups: int) -> ProgramMemory:
+    """A program's bytes at `groups` layer groups from its analyses at 1 and 2 groups (affine);
+    `two` None: a trunk-free program, the same at every depth."""
+    if two is None:
+        return dataclasses.replace(one, how=f"{one.how}, depth {DEPTH_PROBE_GROUPS[0]} group (runs no trunk layer)")
     assert (one.name, one.shape) == (two.name, two.shape)
     how = HOW_COMPILED if HOW_COMPILED in (one.how, two.how) else one.how
     return dataclasses.replace(
