@@ -36,7 +36,7 @@ import numpy as np
 
 from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
 from metrale_jax.errors import MetraleError
-from metrale_jax.params import attn_in_rows, dense_in_rows, gdn_in_rows, moe_in_rows, param_specs
+from metrale_jax.params import attn_in_rows, dense_in_rows, gdn_in_rows, moe_router_rows, param_specs, shared_in_rows
 
 
 class CheckpointError(MetraleError, ValueError):
@@ -403,13 +403,10 @@ def _layer_bindings(cfg: ModelConfig, spec: dict, path: tuple, prefix: str, kind
     if "shared_down" in m:
         e, two_i, _ = m["gate_up"].shape
         i = two_i // 2
-        names: tuple[str, ...] = (
-            f"{pm}.gate.weight",
-            f"{pm}.shared_expert.gate_proj.weight",
-            f"{pm}.shared_expert.up_proj.weight",
-            f"{pm}.shared_expert_gate.weight",
-        )
-        out.append(_stacked(mp + ("w_in",), names, [(r, hd) for r in moe_in_rows(cfg)]))
+        names: tuple[str, ...] = (f"{pm}.gate.weight", f"{pm}.shared_expert_gate.weight")
+        out.append(_stacked(mp + ("router",), names, [(r, hd) for r in moe_router_rows(cfg)]))
+        names = (f"{pm}.shared_expert.gate_proj.weight", f"{pm}.shared_expert.up_proj.weight")
+        out.append(_stacked(mp + ("shared_gate_up",), names, [(r, hd) for r in shared_in_rows(cfg)]))
         if fused_experts:
             out.append(_one(mp + ("gate_up",), f"{pm}.experts.gate_up_proj", (e, two_i, hd)))
             out.append(_one(mp + ("down",), f"{pm}.experts.down_proj", m["down"].shape))

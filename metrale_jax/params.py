@@ -11,12 +11,14 @@ Structure (weights in HF [out, in] orientation; GDN always in the split Qwen3.5 
     attn: w_in [H*2D + 2*KV*D, Hd] (rows: q with its gate — per head D query rows then D gate
           rows —, k, v), wo [Hd, H*D], q_norm, k_norm [D]
     mlp: dense {gate_up [2I, Hd] (gate rows, then up), down [Hd, I]} or
-         moe {w_in [E + 2Is + 1, Hd] (rows: router, shared gate, shared up, shared-expert gate),
-              gate_up [E, 2I, Hd], down [E, Hd, I] (the experts), shared_down [Hd, Is]}
+         moe {router [E + 1, Hd] (rows: the router, then the shared-expert gate),
+              gate_up [E, 2I, Hd], down [E, Hd, I] (the experts),
+              shared_gate_up [2Is, Hd] (gate rows, then up), shared_down [Hd, Is] (the shared expert)}
   mtp (when num_mtp_layers > 0): fc [Hd, 2Hd], norm_embedding, norm_hidden, norm [Hd],
        layers[j]: a full-attention layer as above (MLP kind of layer 0).
-The `w_in` / `gate_up` leaves are the checkpoint's projections that read the same input, stacked
-by rows (`*_in_rows` give the parts): one product per layer input instead of one per projection.
+The `w_in` / `gate_up` / `router` leaves are the checkpoint's projections that read the same input,
+stacked by rows (`*_rows` give the parts): one product per layer input instead of one per projection
+(the MoE's two: its router rows stay whole on every device, its shared expert splits over heads).
 Invariant: `init_params(c, s, d)` and `jax.eval_shape` of it have exactly the shapes of
 `param_specs(c)`; zero-centred norm weights are stored zero-centred (applied as 1 + w).
 """
@@ -51,10 +53,15 @@ def attn_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
     return (cfg.num_attention_heads * 2 * cfg.head_dim, kv, kv)
 
 
-def moe_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
-    """Rows of the MoE `w_in` parts: router, shared-expert gate, shared-expert up, shared-expert gate scalar."""
+def moe_router_rows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Rows of the MoE `router` parts: the router (one per expert), the shared-expert gate (one)."""
+    return (cfg.num_experts, 1)
+
+
+def shared_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Rows of the MoE `shared_gate_up` parts: the shared expert's gate, up."""
     si = cfg.shared_expert_intermediate_size
-    return (cfg.num_experts, si, si, 1)
+    return (si, si)
 
 
 def dense_in_rows(cfg: ModelConfig) -> tuple[int, ...]:
@@ -71,9 +78,10 @@ def _mlp(cfg: ModelConfig, moe: bool):
         }
     e, i = cfg.num_experts, cfg.moe_intermediate_size
     return {
-        "w_in": ParamSpec((sum(moe_in_rows(cfg)), hd), "linear"),
+        "router": ParamSpec((sum(moe_router_rows(cfg)), hd), "linear"),
         "gate_up": ParamSpec((e, 2 * i, hd), "linear"),
         "down": ParamSpec((e, hd, i), "linear"),
+        "shared_gate_up": ParamSpec((sum(shared_in_rows(cfg)), hd), "linear"),
         "shared_down": ParamSpec((hd, cfg.shared_expert_intermediate_size), "linear"),
     }
 

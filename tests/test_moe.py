@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.models import config
 from metrale_jax.model import mlp
-from metrale_jax.params import init_params, moe_in_rows
+from metrale_jax.params import init_params, moe_router_rows
 from metrale_jax.presets import TINY
 
 FORMS = ("dense", "pairs", "grouped")
@@ -36,7 +36,8 @@ def _hf_loop(p, x):
     (renormalised), experts summed in index order, plus the sigmoid-gated shared expert."""
     w = {k: np.asarray(v, np.float64) for k, v in p.items()}
     x = np.asarray(x, np.float64).reshape(-1, CFG.hidden_size)
-    router, sg, su, ss = np.split(x @ w["w_in"].T, np.cumsum(moe_in_rows(CFG))[:-1], axis=-1)
+    router, ss = np.split(x @ w["router"].T, np.cumsum(moe_router_rows(CFG))[:-1], axis=-1)
+    sg, su = np.split(x @ w["shared_gate_up"].T, 2, axis=-1)
     probs = np.exp(router - router.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     inter = CFG.moe_intermediate_size

@@ -17,10 +17,9 @@ contraction over a sharded axis becomes an all-reduce):
   head, contiguous) and those heads' q, k, v conv channels, z, b, a rows, dt_bias and A_log;
   `out` by columns; the live h, verify h rows, checkpoints and prefix-cache snapshots by value
   heads, conv windows by channel (group-major);
-- dense MLP: gate/up rows, `down` by columns; MoE experts over every device (`ep` x `tp`, each
-  device runs its own: `model.mlp`); the MoE's stacked router /
-  shared-expert input projection and `shared_down` replicated (the router and the one-row shared
-  gate do not split by heads);
+- dense MLP and the MoE's shared expert: gate/up rows, `down` by columns; MoE experts over every
+  device (`ep` x `tp`, each device runs its own: `model.mlp`); the MoE's router (with the one-row
+  shared-expert gate) replicated;
 - lm_head (untied) by vocabulary rows: each device computes its slice of the logits and the
   argmax / softmax over the vocabulary reduce across devices; the embedding (which a tied
   lm_head shares), norms, the MTP fc and the stash replicated.
@@ -51,7 +50,7 @@ from metrale_jax.engine.pool import EnginePool, allocate_pool, pool_buffers
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.errors import MetraleError
 from metrale_jax.model.linear import EXPERT_AXES, EXPERT_AXIS, TENSOR_AXIS
-from metrale_jax.params import attn_in_rows, dense_in_rows, param_specs
+from metrale_jax.params import attn_in_rows, dense_in_rows, param_specs, shared_in_rows
 
 TP, EP = TENSOR_AXIS, EXPERT_AXIS
 
@@ -87,6 +86,8 @@ PARAM_LAYOUT: dict[tuple[str, str], tuple[Axes, Callable[[ModelConfig], tuple[in
     ("mlp", "down"): ((None, TP), None),
     ("moe", "gate_up"): ((EXPERT_AXES, None, None), None),
     ("moe", "down"): ((EXPERT_AXES, None, None), None),
+    ("moe", "shared_gate_up"): ((TP, None), shared_in_rows),
+    ("moe", "shared_down"): ((None, TP), None),
 }
 
 # Pool leaf -> (PartitionSpec of its trailing axes, whether that axis holds group-major GDN conv channels).
@@ -112,8 +113,8 @@ POOL_LAYOUT: dict[str, tuple[tuple[str | None, ...], bool]] = {
 
 def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
     """Raise MeshError (one line) unless tp >= 1, ep >= 1, tp divides the attention KV heads, the GDN
-    key heads, the attention heads, the GDN value heads, the dense MLP width and (an untied lm_head)
-    the vocabulary, tp * ep divides the experts (ep = 1 without experts), and tp * ep <= devices."""
+    key heads, the attention heads, the GDN value heads, the dense MLP and shared-expert widths and
+    (an untied lm_head) the vocabulary, tp * ep divides the experts (ep = 1 without experts), and tp * ep <= devices."""
     if tp < 1 or ep < 1:
         raise MeshError(f"--tensor-parallel-size {tp} and --expert-parallel-size {ep} must be >= 1")
     heads = {
@@ -124,6 +125,8 @@ def check_mesh(cfg: ModelConfig, tp: int, ep: int, devices: int) -> None:
     }
     if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         heads["dense MLP intermediate size"] = cfg.intermediate_size
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        heads["shared-expert intermediate size"] = cfg.shared_expert_intermediate_size
     if not cfg.tie_word_embeddings:
         heads["vocabulary entries"] = cfg.vocab_size
     for what, n in heads.items():

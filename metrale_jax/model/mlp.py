@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import EXPERT_AXES, linear, linear_parts, mesh_devices
-from metrale_jax.params import dense_in_rows, moe_in_rows
+from metrale_jax.params import dense_in_rows, moe_router_rows, shared_in_rows
 
 MoeForm = Literal["dense", "pairs", "grouped"]
 
@@ -183,11 +183,12 @@ def _on_local_experts(run, n: int, x, top_i, top_w, gate_up, down):
 
 
 def moe(p, x, cfg: ModelConfig):
-    """Sparse MoE block. x: [..., Hd]. p: w_in [E + 2Is + 1, Hd] (router, shared-expert gate and
-    up, shared-expert gate scalar), gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I],
-    shared_down [Hd, Is]. The routed experts run in the form `moe_form` picks for the row count."""
-    # NOTE: w_in is replicated (its router and one-row shared gate do not split over heads): groups=1.
-    logits, shared_gate, shared_up, shared_scale = linear_parts(x, p["w_in"], moe_in_rows(cfg), groups=1)
+    """Sparse MoE block. x: [..., Hd]. p: router [E + 1, Hd] (the router, the shared-expert gate),
+    gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I], shared_gate_up [2Is, Hd] (gate rows
+    first), shared_down [Hd, Is]. The routed experts run in the form `moe_form` picks for the row
+    count; the shared expert is a dense SwiGLU (split over the tensor axis like the dense MLP)."""
+    # NOTE: the router is replicated (its rows and the one-row shared gate do not split over heads): groups=1.
+    logits, shared_scale = linear_parts(x, p["router"], moe_router_rows(cfg), groups=1)
     logits32 = logits.astype(jnp.float32)
     e = jnp.exp(logits32 - jnp.max(logits32, axis=-1, keepdims=True))
     probs = e / pairwise_sum(e)[..., None]  # softmax, with a shape-invariant sum
@@ -212,6 +213,7 @@ def moe(p, x, cfg: ModelConfig):
     args = (x.reshape(rows, hd), top_i, top_w, p["gate_up"], p["down"])
     n = mesh_devices(EXPERT_AXES)
     routed = run(*args) if n == 1 else _on_local_experts(run, n, *args)
+    shared_gate, shared_up = linear_parts(x, p["shared_gate_up"], shared_in_rows(cfg))
     shared = swiglu(shared_gate, shared_up, p["shared_down"]) * jax.nn.sigmoid(shared_scale)
     return routed.reshape(x.shape) + shared
 
