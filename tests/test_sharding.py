@@ -106,6 +106,19 @@ def test_the_lm_head_splits_by_vocabulary_rows_and_the_embedding_stays_whole():
         sharding.check_mesh(odd, 2, 1, 8)
 
 
+def test_the_shared_expert_splits_over_tp_and_the_router_stays_whole():
+    """A MoE layer's shared expert is split like the dense MLP (gate/up rows, down columns) over tp,
+    its router rows (with the shared-expert gate) are whole on every device, its experts over all."""
+    div = sharding.param_divisors(TINY, 2, 2)
+    moe = next(i for i in range(TINY.num_hidden_layers) if TINY.is_moe_layer(i))
+    got = {k: div[("layers", moe, "mlp", k)] for k in ("router", "shared_gate_up", "shared_down", "gate_up")}
+    assert got == {"router": 1, "shared_gate_up": 2, "shared_down": 2, "gate_up": 4}
+    assert div[("mtp", "layers", 0, "mlp", "shared_gate_up")] == 2
+    odd = dataclasses.replace(TINY, shared_expert_intermediate_size=31)
+    with pytest.raises(sharding.MeshError, match="2 does not divide the model's 31 shared-expert intermediate size"):
+        sharding.check_mesh(odd, 2, 1, 8)
+
+
 def test_group_major_order_is_a_permutation_per_group():
     """Group g of the group-major order holds the g-th tp-th of every part, in part order."""
     parts, tp = (4, 4, 8), 2
