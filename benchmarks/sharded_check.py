@@ -3,11 +3,13 @@
 Owns: the scenario (`scenario`: two prefills, a batched decode, a ragged verify K = 4/2 with its
 verdict, a decode after it), the model it runs on (`wide_tiny`: the tiny preset widened to 4
 attention KV heads and 4 GDN key heads, so tp 4 divides it), the meshes the devices allow
-(`meshes`) and the two checks: `logits_agreement` (each mesh's logits against tp 1 x ep 1: max
-|delta|, argmax agreement) and `speculative_agreement` (greedy speculative generation, composed and
+(`meshes`) and the two checks: `logits_agreement` (each mesh's logits against tp 1 x ep 1 on the
+same forward: max |delta|, argmax agreement; the `pallas` forward's kernels run in a shard_map on
+each device's heads) and `speculative_agreement` (greedy speculative generation, composed and
 fused, emits plain greedy's tokens on a mesh; pool copies of its programs).
 `tests/sharded_worker.py` runs both on 8 forced host devices; `benchmarks/gpu_check.sh` on every
-GPU it finds (`python -m benchmarks.sharded_check`: a table, exit 1 when a mesh breaks the contract).
+GPU it finds (`python -m benchmarks.sharded_check`: both forwards' logits, the `xla` forward's
+speculative check; exit 1 when a mesh breaks the contract).
 
 Contract (float32): max |delta| <= `LOGITS_ATOL` and every argmax equal; speculative == greedy.
 """
@@ -22,7 +24,7 @@ import jax
 import numpy as np
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.engine import FORWARDS, Engine
 from metrale_jax.engine.settings import EngineSettings, resolve_settings
 from metrale_jax.engine.sharding import check_mesh, make_mesh
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
@@ -77,12 +79,13 @@ def scenario(eng: Engine) -> list[np.ndarray]:
     return [np.asarray(x, np.float32) for x in out]
 
 
-def logits_agreement(devices: int) -> dict:
-    """{"tp x ep": per scenario call {max_abs, argmax_equal} against 1 x 1}."""
+def logits_agreement(devices: int, forward: str = "xla") -> dict:
+    """{"tp x ep": per scenario call {max_abs, argmax_equal} against 1 x 1}, on `forward`."""
     cfg, params = wide_tiny()
     st = settings(speculative=True, num_drafts=3)
     runs = {
-        f"{tp}x{ep}": scenario(Engine(cfg, params, st, mesh=make_mesh(cfg, tp, ep))) for tp, ep in meshes(cfg, devices)
+        f"{tp}x{ep}": scenario(Engine(cfg, params, st, mesh=make_mesh(cfg, tp, ep), forward=forward))
+        for tp, ep in meshes(cfg, devices)
     }
     ref = runs["1x1"]
     return {
@@ -111,13 +114,18 @@ def main() -> int:
         return 0
     cfg, params = resolve_checkpoint("tiny")
     st = settings(speculative=True, num_drafts=3)
-    logits = logits_agreement(devices)
+    logits = {forward: logits_agreement(devices, forward) for forward in FORWARDS}
     spec = {
         f"{tp}x{ep}": speculative_agreement(Engine(cfg, params, st, mesh=make_mesh(cfg, tp, ep)))
         for tp, ep in meshes(cfg, devices)
         if tp * ep > 1
     }
-    ok = all(c["max_abs"] <= LOGITS_ATOL and c["argmax_equal"] for calls in logits.values() for c in calls)
+    ok = all(
+        c["max_abs"] <= LOGITS_ATOL and c["argmax_equal"]
+        for runs in logits.values()
+        for calls in runs.values()
+        for c in calls
+    )
     ok = ok and all(s == {"composed": True, "fused": True, "pool_copies": 0} for s in spec.values())
     print(json.dumps({"devices": devices, "logits": logits, "speculative": spec, "ok": ok}, indent=1))
     print(f"sharded check on {devices} x {jax.devices()[0].device_kind}: {'PASS' if ok else 'FAIL'}")

@@ -17,6 +17,10 @@ Invariants:
   refusal, and is not recorded.
 - The ops objects are frozen, hashable dataclasses: they are static arguments of jitted forwards,
   and `name` is what program caches and disclosures key on.
+- Under a mesh with a tensor axis (`metrale_jax.model.linear.TENSOR_AXIS`), `PallasOps` runs each
+  kernel in a `shard_map` over the heads (the GDN's key / value heads, the attention's query and KV
+  heads, as the engine shards them): every device runs the kernel on its own heads, whose values are
+  the single-device kernel's (no op mixes heads). The partitioner cannot split a kernel's custom call.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import warnings
 from typing import Literal, Protocol
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import common
 from kernels_pallas.gdn import api as gdn_api
@@ -103,6 +108,36 @@ class ReferenceOps:
 
 _REFUSALS: dict[tuple[str, str], None] = {}  # (op, reason), insertion-ordered
 
+# The tensor (heads) axis of the engine's mesh (`metrale_jax.model.linear.TENSOR_AXIS`).
+_HEADS = "tp"
+
+
+def _heads(*dims: int) -> P:
+    """The PartitionSpec of an array of `len(dims)` axes whose axis `dims.index(1)` holds heads."""
+    return P(*(_HEADS if d else None for d in dims))
+
+
+def _on_heads(fn, in_specs: tuple, out_specs, *args):
+    """fn(*args), or under a mesh whose tensor axis has several devices, fn on each device's heads
+    (`jax.shard_map` over the context mesh; `in_specs` / `out_specs` name the head axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if dict(mesh.shape).get(_HEADS, 1) == 1:
+        return fn(*args)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
+# q, k [B, T, Hk, dk], v [B, T, H, dv], g, beta [B, T, H], h0 [B, H, dk, dv]: heads on axis 2 (h0: 1).
+_GDN_IN = (
+    _heads(0, 0, 1, 0),
+    _heads(0, 0, 1, 0),
+    _heads(0, 0, 1, 0),
+    _heads(0, 0, 1),
+    _heads(0, 0, 1),
+    _heads(0, 1, 0, 0),
+)
+# q [B, T, H, D], caches [NB, bs, KV, D], block tables and positions replicated; out [B, T, H, D].
+_ATTN_IN = (_heads(0, 0, 1, 0), _heads(0, 0, 1, 0), _heads(0, 0, 1, 0), P(), P())
+
 
 def _refused(op: str, reason: str | None) -> bool:
     """Record (and warn about, the first time) a refusal; True when `reason` is one."""
@@ -134,17 +169,23 @@ class PallasOps:
 
     def gdn_chunk(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
         """`Ops.gdn_chunk`: `gdn.api.chunk_gated_delta_rule`."""
-        args = (q, k, v, g, beta, h0)
-        if _refused("gdn_chunk", gdn_api.gdn_chunk_supported(*args, backend=self.backend)):
-            return gdn_api.chunk_gated_delta_rule(*args, implementation="reference")
-        return gdn_api.chunk_gated_delta_rule(*args, interpret=self.interpret)
+
+        def run(*args):
+            if _refused("gdn_chunk", gdn_api.gdn_chunk_supported(*args, backend=self.backend)):
+                return gdn_api.chunk_gated_delta_rule(*args, implementation="reference")
+            return gdn_api.chunk_gated_delta_rule(*args, interpret=self.interpret)
+
+        return _on_heads(run, _GDN_IN, (_heads(0, 0, 1, 0), _heads(0, 1, 0, 0)), q, k, v, g, beta, h0)
 
     def gdn_rows(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
         """`Ops.gdn_rows`: `gdn.api.recurrent_gated_delta_rule`."""
-        args = (q, k, v, g, beta, h0)
-        if _refused("gdn_rows", gdn_api.gdn_rows_supported(*args, backend=self.backend)):
-            return gdn_api.recurrent_gated_delta_rule(*args, implementation="reference")
-        return gdn_api.recurrent_gated_delta_rule(*args, interpret=self.interpret)
+
+        def run(*args):
+            if _refused("gdn_rows", gdn_api.gdn_rows_supported(*args, backend=self.backend)):
+                return gdn_api.recurrent_gated_delta_rule(*args, implementation="reference")
+            return gdn_api.recurrent_gated_delta_rule(*args, interpret=self.interpret)
+
+        return _on_heads(run, _GDN_IN, (_heads(0, 0, 1, 0), _heads(0, 0, 1, 0, 0)), q, k, v, g, beta, h0)
 
     def write_kv(
         self, k_cache, v_cache, k, v, block_tables, positions, null_block: int, layer=None
@@ -159,7 +200,10 @@ class PallasOps:
         here; XLA may materialise it (a per-step copy of the layer's KV the reference avoids)."""
         if layer is not None:
             k_cache, v_cache = k_cache[layer], v_cache[layer]
-        args = (q, k_cache, v_cache, block_tables, positions)
-        if _refused("attention", attn_api.paged_attention_supported(*args, backend=self.backend)):
-            return attn_api.paged_attention(*args, scale, implementation="reference")
-        return attn_api.paged_attention(*args, scale, interpret=self.interpret)
+
+        def run(*args):
+            if _refused("attention", attn_api.paged_attention_supported(*args, backend=self.backend)):
+                return attn_api.paged_attention(*args, scale, implementation="reference")
+            return attn_api.paged_attention(*args, scale, interpret=self.interpret)
+
+        return _on_heads(run, _ATTN_IN, _heads(0, 0, 1, 0), q, k_cache, v_cache, block_tables, positions)

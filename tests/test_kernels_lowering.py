@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import lowering as triton_lowering  # private: only to read the Triton IR
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels_pallas import common, testing
 from kernels_pallas.common import KernelRefused
@@ -118,6 +119,34 @@ def test_pallas_ops_lowers_every_kernel(triton_ir):
     before = ops.refusals()
     text = export_cuda(step, *gdn_args(4, 4, 32), *attn_args(4, 4, 16, 2, 256))
     assert text.count(TRITON) == 2 and len(triton_ir) == 2
+    assert ops.refusals() == before
+
+
+def test_pallas_ops_lower_on_each_devices_heads_under_a_tensor_axis(triton_ir):
+    """On an abstract (ep 1, tp 2) mesh of H200s with head-sharded arguments, as the engine shards
+    them, the GDN and attention kernels lower as Triton calls inside shard_maps (one per op: each
+    device runs its own heads), a program of 2 devices, no refusal."""
+    mesh = AbstractMesh((1, 2), ("ep", "tp"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200.abstract_device)
+    ops = PallasOps(interpret=False)
+    h2, h3, h4 = P(None, None, "tp"), P(None, None, "tp", None), P(None, "tp", None, None)
+    specs = (h3, h3, h3, h2, h2, h4, h3, h3, h3, P(), P())
+    args = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+        for x, spec in zip((*gdn_args(4, 4, 32), *attn_args(4, 4, 16, 2, 256)), specs)
+    ]
+
+    def step(q, k, v, g, beta, h0, aq, kc, vc, tables, pos):
+        o_rows, _ = ops.gdn_rows(q, k, v, g, beta, h0)
+        return o_rows, ops.attention(aq, kc, vc, tables, pos, 256**-0.5)
+
+    before = ops.refusals()
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(step), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+        )(*args)
+    text = exported.mlir_module()
+    assert exported.nr_devices == 2
+    assert text.count(TRITON) == 2 and text.count("sdy.manual_computation(") == 2 and len(triton_ir) == 2
     assert ops.refusals() == before
 
 

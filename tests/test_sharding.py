@@ -93,6 +93,28 @@ def test_the_diff_passes_its_tp2_variant(tmp_path):
     assert len(tp2) == 6 and all(c["ok"] for c in tp2)
 
 
+def test_the_pallas_kernels_run_on_each_devices_heads():
+    """Under a tp 2 mesh the `pallas` forward's GDN (chunked and row by row) and paged-attention
+    kernels (interpreted) run in a shard_map on each device's heads, byte-equal to one device, their
+    outputs left split over the heads; the engine on that forward at tp 2 agrees with tp 1 within the
+    sharded contract (`tests/sharded_kernels_worker.py`)."""
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "sharded_kernels_worker.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out.pop("refusals") == []
+    engine = out.pop("engine")
+    assert len(engine) == 5 and all(c["max_abs"] <= LOGITS_ATOL and c["argmax_equal"] for c in engine), engine
+    assert out == {
+        op: {"equal": True, "sharded": True, "shard_map": True} for op in ("gdn_chunk", "gdn_rows", "attention")
+    }
+
+
 def test_the_layout_table_names_every_pool_leaf():
     assert set(sharding.POOL_LAYOUT) == set(POOL_LABELS)
 
