@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 Backend = Literal["interpret", "gpu"]
+#: The custom-call target of a Pallas kernel lowered for GPU (Triton): `jax.export` checks its targets.
+TRITON_CALL = "__gpu$xla.gpu.triton"
 BACKENDS: tuple[Backend, ...] = ("interpret", "gpu")
 Implementation = Literal["pallas", "reference"]  # an `api` entry point's choice: the kernel or its reference
 IMPLEMENTATIONS: tuple[Implementation, ...] = ("pallas", "reference")

@@ -1,11 +1,12 @@
 """Lower the 80B's step programs for an abstract mesh of 8 H200s (tensor parallel 2 x expert parallel 4)
 on this machine, no GPU needed: prefill, decode, verify and propose at the recipe's shapes, weights
-and pool sharded as the engine shards them (`engine.sharding`), the `xla` forward.
+and pool sharded as the engine shards them (`engine.sharding`), the `xla` forward or the `pallas` one
+(its kernels as Triton calls, each in a shard_map over the heads).
 
-Usage: python scripts/sharded_lowering.py [--layers N] [--model ID]
+Usage: python scripts/sharded_lowering.py [--layers N] [--model ID] [--forward xla|pallas]
 (N: the first N layers; default every layer. `make test` lowers one layer group:
 tests/test_sharding_lowering.py.) Prints one line per program: devices, the module's size, the
-MoE's all-reduces (shard_map) and the seconds lowering took.
+MoE's all-reduces (shard_map), the Triton calls and the seconds lowering took.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AbstractMesh, AxisType  # noqa: E402
 
-from kernels_pallas.ops import ReferenceOps  # noqa: E402
+from kernels_pallas.common import TRITON_CALL  # noqa: E402
+from kernels_pallas.ops import Ops, PallasOps, ReferenceOps  # noqa: E402
 from metrale_jax.config import ModelConfig  # noqa: E402
 from metrale_jax.engine.settings import resolve_settings  # noqa: E402
 from metrale_jax.engine.sharding import EP, TP, check_mesh  # noqa: E402
@@ -51,8 +53,9 @@ def first_layers(cfg: ModelConfig, layers: int | None) -> ModelConfig:
     return dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
 
 
-def lower(model: str, layers: int | None, tp: int = 2, ep: int = 4) -> dict:
-    """{program: Exported} of `model` (a recipes/models id) cut to `layers`, on tp x ep H200s."""
+def lower(model: str, layers: int | None, tp: int = 2, ep: int = 4, ops: Ops | None = None) -> dict:
+    """{program: Exported} of `model` (a recipes/models id) cut to `layers`, on tp x ep H200s, with
+    `ops` (default the `xla` forward's)."""
     cfg = first_layers(resolve_model(model, REPO_RECIPES_DIR).config, layers)
     check_mesh(cfg, tp, ep, tp * ep)
     settings = resolve_settings(
@@ -68,18 +71,26 @@ def lower(model: str, layers: int | None, tp: int = 2, ep: int = 4) -> dict:
         None,
         auto_slots=8,
     )
-    return exported_step_programs(cfg, settings, h200_mesh(tp, ep), jnp.bfloat16, ReferenceOps(), "cuda")
+    ops = ReferenceOps() if ops is None else ops
+    return exported_step_programs(cfg, settings, h200_mesh(tp, ep), jnp.bfloat16, ops, "cuda")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--forward", choices=("xla", "pallas"), default="xla")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    for name, exp in lower(a.model, a.layers).items():
+    ops = PallasOps(interpret=False) if a.forward == "pallas" else ReferenceOps()
+    for name, exp in lower(a.model, a.layers, ops=ops).items():
         text = exp.mlir_module()
-        print(f"{name}: {exp.nr_devices} devices, {len(text) / 1e6:.1f} MB, all_reduce x{text.count('all_reduce')}")
+        print(
+            f"{name}: {exp.nr_devices} devices, {len(text) / 1e6:.1f} MB, all_reduce x{text.count('all_reduce')}, "
+            f"Triton calls x{text.count(TRITON_CALL)}"
+        )
+    if a.forward == "pallas":
+        print(f"kernels refused (the reference ran): {list(PallasOps.refusals()) or 'none'}")
     print(f"lowered in {time.perf_counter() - t0:.1f} s (jax {jax.__version__})")
 
 

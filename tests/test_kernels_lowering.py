@@ -32,7 +32,7 @@ except ImportError:  # jax 0.11.x
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-TRITON = "__gpu$xla.gpu.triton"
+TRITON = common.TRITON_CALL
 H200 = AbstractMesh(
     (1,),
     ("x",),

@@ -5,7 +5,8 @@ KV heads) here, every layer in `scripts/sharded_lowering.py`.
 Claims: prefill, decode, verify, propose and the fused speculative step export for CUDA on the
 abstract mesh with the engine's shardings (`engine.sharding`), each a program of 8 devices whose MoE
 layers sum their routed experts over the devices (the shard_map's all-reduce; the partitioner adds
-the heads' reductions when it compiles).
+the heads' reductions when it compiles); with the `pallas` forward, every GDN and attention kernel is a
+Triton call in a shard_map over the heads, none refused.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import importlib.util
 import os
 
 import pytest
+
+from kernels_pallas.common import TRITON_CALL
+from kernels_pallas.ops import PallasOps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,3 +40,15 @@ def test_the_80b_layer_group_lowers_for_8_h200s(lowering):
         assert exp.nr_devices == 8, name
         assert exp.platforms == ("cuda",), name
         assert "all_reduce" in exp.mlir_module(), name
+
+
+def test_the_80b_layer_group_lowers_for_8_h200s_with_the_pallas_forward(lowering):
+    ops = PallasOps(interpret=False)
+    before = ops.refusals()
+    exported = lowering.lower(lowering.MODEL, layers=4, ops=ops)
+    calls = {name: exp.mlir_module().count(TRITON_CALL) for name, exp in exported.items()}
+    # 3 GDN layers and 1 attention layer per trunk pass; the MTP layer's attention once per draft
+    assert calls == {"prefill": 4, "decode": 4, "verify": 4, "propose": 3, "speculative": 7}
+    for name, exp in exported.items():
+        assert exp.nr_devices == 8 and exp.mlir_module().count("sdy.manual_computation(") >= calls[name], name
+    assert ops.refusals() == before

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 
+from kernels_pallas.common import TRITON_CALL
 from metrale_jax.engine.inputs import ModelStatic
 
 # Ops of an optimized XLA program that launch device work on their own (fusions and library
@@ -283,10 +284,13 @@ def compile_transition(
 
 def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, platform: str) -> Any:
     """The program `compile_transition` builds, exported (`jax.export`) for `platform` without its
-    devices: `args` are shape structs sharded over an `AbstractMesh` (or unsharded). Lowering only."""
+    devices: `args` are shape structs sharded over an `AbstractMesh` (or unsharded). Lowering only;
+    the `pallas` forward's Triton calls are allowed (they have no stability guarantee, which an
+    export for lowering checks does not need)."""
     jitted, mesh = _jitted(fn, static, args[0])
+    triton = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
     with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh):
-        return jax.export.export(jitted, platforms=[platform])(*args)
+        return jax.export.export(jitted, platforms=[platform], disabled_checks=triton)(*args)
 
 
 class ProgramCache:
