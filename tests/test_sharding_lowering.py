@@ -19,6 +19,8 @@ import pytest
 from kernels_pallas.common import TRITON_CALL
 from kernels_pallas.ops import PallasOps
 
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
