@@ -37,17 +37,22 @@ LOGITS_ATOL = 1e-4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def worker() -> dict:
+def _worker_json(script: str, timeout: int) -> dict:
+    """Run `tests/<script>` in a process of its own and return the JSON object on its last line."""
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "sharded_worker.py")],
+        [sys.executable, os.path.join(ROOT, "tests", script)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=timeout,
     )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def worker() -> dict:
+    return _worker_json("sharded_worker.py", 1200)
 
 
 @pytest.mark.parametrize("mesh", ["2x1", "4x1", "1x2", "2x2"])
@@ -98,15 +103,7 @@ def test_the_pallas_kernels_run_on_each_devices_heads():
     kernels (interpreted) run in a shard_map on each device's heads, byte-equal to one device, their
     outputs left split over the heads; the engine on that forward at tp 2 agrees with tp 1 within the
     sharded contract (`tests/sharded_kernels_worker.py`)."""
-    r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "sharded_kernels_worker.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _worker_json("sharded_kernels_worker.py", 600)
     assert out.pop("refusals") == []
     engine = out.pop("engine")
     assert len(engine) == 5 and all(c["max_abs"] <= LOGITS_ATOL and c["argmax_equal"] for c in engine), engine
