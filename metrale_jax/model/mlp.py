@@ -182,6 +182,20 @@ def _on_local_experts(run, n: int, x, top_i, top_w, gate_up, down):
     )
 
 
+def top_k(probs, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` of the router's probabilities [..., E] (values and int32 indices [..., k],
+    largest first, the lower index first among equal values), as a stable sort.
+
+    NOTE: XLA CPU lowers `lax.top_k` to a sort whose index operand is an iota of the whole
+    [rows, E], and schedules every layer's iota at the program's start (an 8192-token prefill of
+    the 80B held 48 of them, 16 MiB each). Here the indices pass through a select on the
+    probabilities (never taken: they are >= 0 or NaN), so each is computed where its layer sorts."""
+    axis = probs.ndim - 1
+    idx = jnp.where(probs < 0, 0, jax.lax.broadcasted_iota(jnp.int32, probs.shape, axis))
+    neg, idx = jax.lax.sort((-probs, idx), dimension=axis, num_keys=1, is_stable=True)
+    return -neg[..., :k], idx[..., :k]
+
+
 def moe(p, x, cfg: ModelConfig):
     """Sparse MoE block. x: [..., Hd]. p: router [E + 1, Hd] (the router, the shared-expert gate),
     gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I], shared_gate_up [2Is, Hd] (gate rows
@@ -192,7 +206,7 @@ def moe(p, x, cfg: ModelConfig):
     logits32 = logits.astype(jnp.float32)
     e = jnp.exp(logits32 - jnp.max(logits32, axis=-1, keepdims=True))
     probs = e / pairwise_sum(e)[..., None]  # softmax, with a shape-invariant sum
-    top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    top_w, top_i = top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / pairwise_sum(top_w)[..., None]
     hd = x.shape[-1]
