@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from metrale_jax.engine.capacity import bucket_width
+from metrale_jax.engine.capacity import bucket_width, pool_counts
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.settings import resolve_settings
 from metrale_jax.memory.activations import CACHE_ENV, ActivationModel, source_files
 from metrale_jax.memory.devices import find_device
 from metrale_jax.memory.plan import Planner, Workload
-from metrale_jax.model.layout import layer_groups, layer_period
+from metrale_jax.memory.source import resolve_model
+from metrale_jax.model.layout import layer_groups, layer_period, truncate_groups
 from metrale_jax.presets import PRESETS, resolve_checkpoint
 from metrale_jax.recipes import REPO_RECIPES_DIR
 from metrale_jax_cli.memory_cmd import memory, plan
@@ -170,6 +172,23 @@ def test_a_deep_model_is_planned_from_two_depths_byte_for_byte(report, tmp_path)
         assert (p.temp, p.outputs) == (want[name].temp, want[name].outputs), name
         depth = "1 group (runs no trunk layer)" if name == "propose" else "1+2 groups"
         assert p.how == f"compiled, depth {depth}" and want[name].how == "compiled"
+
+
+def test_the_80b_prefill_holds_no_router_index_buffer_per_layer(tmp_path):
+    """At the 80B's widths (512 experts, bf16), a 2048-token prefill chunk compiled at 1 and at 2 layer
+    groups differs by under one [tokens, experts] int32 buffer, where a group has 4 MoE layers: no
+    router's top-k indices are held from the program's start (`mlp.top_k`; with `lax.top_k` XLA CPU
+    held each layer's, 4.09 such buffers more at 2 groups)."""
+    cfg = resolve_model("Qwen/Qwen3-Next-80B-A3B-Instruct", REPO_RECIPES_DIR).config
+    tokens = 2048
+    flags = {"max_batch_size": "1", "max_seq_len": 4096, "max_prefill_tokens": tokens, "kv_cache_dtype": "bf16"}
+    settings = resolve_settings(flags, None, auto_slots=1)
+    temp = []
+    for groups in (1, 2):
+        c = truncate_groups(cfg, groups)
+        model = ActivationModel(c, jnp.bfloat16, cache_dir=tmp_path, programs=("prefill",))
+        temp.append(model.exact(settings, pool_counts(settings, c))["prefill"].temp)
+    assert 0 <= temp[1] - temp[0] < tokens * cfg.num_experts * 4, temp
 
 
 def test_a_probe_that_cannot_fit_compiles_nothing(report, tmp_path):

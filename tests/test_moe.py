@@ -101,3 +101,17 @@ def test_form_follows_the_row_count():
     small = mlp.DENSE_MAX_MACS // per_row
     assert [mlp.moe_form(r, CFG) for r in (1, small, small + 1)] == ["dense", "dense", "grouped"]
     assert mlp.grouped_capacity(1024, wide) % 8 == 0 and mlp.grouped_capacity(1024, wide) > 1024 * k // e
+
+
+@pytest.mark.parametrize(("experts", "k"), [(8, 2), (32, 4), (512, 10)])
+def test_the_router_top_k_is_lax_top_k(experts, k):
+    """`mlp.top_k` (a stable sort) returns `lax.top_k`'s values and indices bit for bit: ties (the lower
+    index first), rows of equal zeros, a NaN row, batch axes."""
+    rng = np.random.default_rng(experts)
+    probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((3, 6, experts)), jnp.float32), axis=-1)
+    probs = probs.at[0, 0, 1:4].set(probs[0, 0, 5]).at[0, 1].set(0.0).at[1, 2].set(jnp.nan)
+    want = jax.lax.top_k(probs, k)
+    got = jax.jit(mlp.top_k, static_argnums=1)(probs, k)
+    assert got[1].dtype == want[1].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
