@@ -174,21 +174,27 @@ def test_a_deep_model_is_planned_from_two_depths_byte_for_byte(report, tmp_path)
         assert p.how == f"compiled, depth {depth}" and want[name].how == "compiled"
 
 
+_80B = resolve_model("Qwen/Qwen3-Next-80B-A3B-Instruct", REPO_RECIPES_DIR).config
+
+
+def _80b_prefill_scratch(cache_dir, groups: int, tokens: int) -> int:
+    """Scratch bytes of the bf16 80B's prefill program, cut to `groups` layer groups, for a chunk of
+    `tokens` (one slot, compiled into `cache_dir`)."""
+    cfg = truncate_groups(_80B, groups)
+    flags = {"max_batch_size": "1", "max_seq_len": 2 * tokens, "max_prefill_tokens": tokens, "kv_cache_dtype": "bf16"}
+    settings = resolve_settings(flags, None, auto_slots=1)
+    model = ActivationModel(cfg, jnp.bfloat16, cache_dir=cache_dir, programs=("prefill",))
+    return model.exact(settings, pool_counts(settings, cfg))["prefill"].temp
+
+
 def test_the_80b_prefill_holds_no_router_index_buffer_per_layer(tmp_path):
     """At the 80B's widths (512 experts, bf16), a 2048-token prefill chunk compiled at 1 and at 2 layer
     groups differs by under one [tokens, experts] int32 buffer, where a group has 4 MoE layers: no
     router's top-k indices are held from the program's start (`mlp.top_k`; with `lax.top_k` XLA CPU
     held each layer's, 4.09 such buffers more at 2 groups)."""
-    cfg = resolve_model("Qwen/Qwen3-Next-80B-A3B-Instruct", REPO_RECIPES_DIR).config
     tokens = 2048
-    flags = {"max_batch_size": "1", "max_seq_len": 4096, "max_prefill_tokens": tokens, "kv_cache_dtype": "bf16"}
-    settings = resolve_settings(flags, None, auto_slots=1)
-    temp = []
-    for groups in (1, 2):
-        c = truncate_groups(cfg, groups)
-        model = ActivationModel(c, jnp.bfloat16, cache_dir=tmp_path, programs=("prefill",))
-        temp.append(model.exact(settings, pool_counts(settings, c))["prefill"].temp)
-    assert 0 <= temp[1] - temp[0] < tokens * cfg.num_experts * 4, temp
+    temp = [_80b_prefill_scratch(tmp_path, groups, tokens) for groups in (1, 2)]
+    assert 0 <= temp[1] - temp[0] < tokens * _80B.num_experts * 4, temp
 
 
 def test_the_80b_prefill_does_not_hold_the_lm_heads_f32_copy_through_its_layers(tmp_path):
@@ -196,12 +202,8 @@ def test_the_80b_prefill_does_not_hold_the_lm_heads_f32_copy_through_its_layers(
     (`trunk.lm_head`) the copy is not live while the layers run: one layer group's 8192-token prefill
     compiles to less than two such copies (measured 1,416 MB against a 1,245 MB copy; 2,661 MB when
     XLA scheduled the copy at the program's start)."""
-    cfg = truncate_groups(resolve_model("Qwen/Qwen3-Next-80B-A3B-Instruct", REPO_RECIPES_DIR).config, 1)
-    flags = {"max_batch_size": "1", "max_seq_len": 16384, "max_prefill_tokens": 8192, "kv_cache_dtype": "bf16"}
-    settings = resolve_settings(flags, None, auto_slots=1)
-    model = ActivationModel(cfg, jnp.bfloat16, cache_dir=tmp_path, programs=("prefill",))
-    temp = model.exact(settings, pool_counts(settings, cfg))["prefill"].temp
-    copy = cfg.vocab_size * cfg.hidden_size * 4
+    temp = _80b_prefill_scratch(tmp_path, 1, 8192)
+    copy = _80B.vocab_size * _80B.hidden_size * 4
     assert temp < 2 * copy, (temp, copy)
 
 
