@@ -4,6 +4,7 @@ on the Python standard library's sources, with JAX on CPU.
 
     nice -n 10 .venv/bin/python scripts/train_small.py            # the committed run (the whole recipe)
     .venv/bin/python scripts/train_small.py --measure-only        # re-measure acceptance only
+    .venv/bin/python scripts/train_small.py --chain-only          # phase 1b alone, on --out's checkpoint
 
 Writes into --out (default: the package's `presets_data/small/`):
   config.json + model.safetensors   the checkpoint (HF layout, `mtp.*` included), float32
@@ -12,8 +13,10 @@ Writes into --out (default: the package's `presets_data/small/`):
                                     numbers, and the engine-measured draft acceptance
   TRAINING.md                       the same, for people
 
-Phase 2 (also `--measure-only`) runs the engine's speculative decoding on held-out prompts and
-records the MTP head's acceptance by draft position (`metrale_jax.research`).
+Phase 1b (also `--chain-only`, on a checkpoint trained without it): the drafter's chained
+fine-tune (`metrale_jax.training.chain`), the MTP parameters alone. Phase 2 (also `--measure-only`)
+runs the engine's speculative decoding on held-out prompts and records the MTP head's acceptance
+by draft position (`metrale_jax.research`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from metrale_jax.checkpoint import load_checkpoint, save_checkpoint  # noqa: E40
 from metrale_jax.params import count_params  # noqa: E402
 from metrale_jax.presets_data import SMALL_DIR  # noqa: E402
 from metrale_jax.tokenizer import ByteTokenizer  # noqa: E402
+from metrale_jax.training.chain import train_chain  # noqa: E402
 from metrale_jax.training.corpus import default_stdlib_dir, load_corpus  # noqa: E402
 from metrale_jax.training.loop import train  # noqa: E402
 from metrale_jax.training.recipe import SMALL_CONFIG, SMALL_RECIPE  # noqa: E402
@@ -61,8 +65,18 @@ def _markdown(log: dict) -> str:
         f"- perplexity **{f['ppl']:.3f}** per byte (loss {f['loss']:.4f} nats, {f['bits_per_byte']:.3f} bits/byte)",
         f"- next-token top-1 {f['top1']:.3f}; MTP (token t+2) loss {f['mtp_loss']:.4f}, top-1 {f['mtp_top1']:.3f}",
         f"- teacher-forced first-draft acceptance (MTP argmax == trunk argmax one step later): "
-        f"{f['first_draft_agreement']:.3f}",
+        f"{f['first_draft_agreement']:.3f}"
+        + (" (these MTP figures: the jointly trained head, before its fine-tune)" if log.get("chain") else ""),
     ]
+    ch = log.get("chain")
+    if ch:
+        fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
+        lines += [
+            f"- the drafter's chained fine-tune (`{ch['command']}`, {r['chain_steps']} steps, "
+            f"{ch['seconds'] / 60:.1f} min, MTP parameters only): teacher-forced agreement with the trunk's argmax "
+            f"by draft depth "
+            f"{fmt(ch['before']['agree'])} before, **{fmt(ch['after']['agree'])}** after",
+        ]
     acc = log.get("engine_acceptance")
     if acc:
         lines += [
@@ -146,12 +160,27 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus-dir", default=default_stdlib_dir(), help="Directory of .py files [this Python's stdlib].")
     ap.add_argument("--steps", type=int, help=f"Override the recipe's {SMALL_RECIPE.steps} steps (smoke runs).")
     ap.add_argument("--measure-only", action="store_true", help="Skip training; re-measure acceptance of --out.")
+    ap.add_argument("--chain-only", action="store_true", help="Only the chained fine-tune, on --out's checkpoint.")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    if args.measure_only:
+    command = " ".join(["python", "scripts/train_small.py", *map(shlex.quote, argv or sys.argv[1:])])
+    if args.measure_only or args.chain_only:
         with open(os.path.join(args.out, LOG_FILE)) as fh:
             log = json.load(fh)
-    else:
+    if args.chain_only:
+        if "chain" in log:
+            print(
+                f"error: {args.out} is already fine-tuned ({log['chain']['command']}); retrain it first",
+                file=sys.stderr,
+            )
+            return 2
+        cfg, params = load_checkpoint(args.out)
+        corpus = load_corpus(args.corpus_dir, ByteTokenizer(), SMALL_RECIPE.val_every_nth_file)
+        params, log["chain"] = train_chain(params, cfg, SMALL_RECIPE, corpus, log=lambda m: print(m, flush=True))
+        log["chain"]["command"] = command
+        log["recipe"] = dataclasses.asdict(SMALL_RECIPE)
+        save_checkpoint(args.out, cfg, params)
+    elif not args.measure_only:
         recipe = SMALL_RECIPE
         if args.steps is not None:  # a shortened run keeps the schedule's shape
             recipe = dataclasses.replace(
@@ -169,10 +198,13 @@ def main(argv=None) -> int:
         )
         t0 = time.time()
         params, log = train(SMALL_CONFIG, recipe, corpus, log=lambda m: print(m, flush=True))
+        if recipe.chain_steps:
+            params, log["chain"] = train_chain(params, SMALL_CONFIG, recipe, corpus, log=lambda m: print(m, flush=True))
+            log["chain"]["command"] = command
         save_checkpoint(args.out, SMALL_CONFIG, params)
         tok.save(args.out)
         log.update(
-            command=" ".join(["python", "scripts/train_small.py", *map(shlex.quote, argv or sys.argv[1:])]),
+            command=command,
             wall_seconds=round(time.time() - t0, 1),
             parameters=count_params(params),
             platform=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

@@ -19,6 +19,7 @@ from metrale_jax.config import load_model_config
 from metrale_jax.presets import TINY, resolve_checkpoint
 from metrale_jax.presets_data import SMALL_DIR
 from metrale_jax.tokenizer import END_OF_TEXT, ByteTokenizer, TokenizerError, load_tokenizer, tokenizer_for
+from metrale_jax.training.chain import chain_logits, chain_metrics
 from metrale_jax.training.corpus import is_validation_file, load_corpus, tiling_windows
 from metrale_jax.training.objective import TrainOps, init_for_training, objective
 from metrale_jax.training.recipe import SMALL_CONFIG, SMALL_RECIPE
@@ -166,3 +167,39 @@ def test_objective_gradient_lowers_both_losses():
     for _ in range(3):
         params, after = descend(params)
     assert after["loss"] < before["loss"] and after["mtp_loss"] < before["mtp_loss"]
+
+
+def test_the_chained_fine_tune_sees_the_engines_propose():
+    """`chain_logits` at one base equals the engine's propose of 3 chained drafts there: the same
+    drafts (argmax) and confidences (log-softmax at the draft) within float rounding (TrainOps'
+    16-row GDN chunk and dense attention against the engine's kernels). A chain fed the trunk's
+    hidden at depth 2, or attending over its own depth's keys, is O(1) off."""
+    study = research.study_for("small")
+    eng, cfg, params = study.engine, study.cfg, study.params
+    prompt = research.heldout_prompts(1, 40, seed=5)[0]
+    seq = eng.alloc_sequence()
+    try:
+        last = int(np.argmax(eng.prefill(seq, prompt)))
+        drafts, conf, _ = eng.propose_batched([seq], [last], 3)
+    finally:
+        eng.free_sequence(seq)
+    window = jnp.asarray([[*prompt, last, *drafts[0, :2].tolist()]], jnp.int32)
+    _, chained = jax.jit(chain_logits, static_argnames=("cfg", "depth"))(params["mtp"], params, cfg, window, 3)
+    at = len(prompt) - 1
+    lsm = [jax.nn.log_softmax(out[0, at]) for out in chained]
+    assert [int(jnp.argmax(x)) for x in lsm] == drafts[0].tolist()
+    np.testing.assert_allclose([float(x[d]) for x, d in zip(lsm, drafts[0])], conf[0], atol=1e-4)
+
+
+def test_the_chained_fine_tune_moves_only_the_drafter_and_lowers_its_chained_loss():
+    cfg = TINY.replace(vocab_size=257)
+    params = init_for_training(cfg, 0)
+    windows = jnp.asarray(np.tile(np.arange(19, dtype=np.int32) % 5 + 97, (2, 1)))
+    loss = lambda mtp: chain_metrics(mtp, params, cfg, windows, 3)["loss"]
+    grads = jax.jit(jax.grad(lambda p: chain_metrics(p["mtp"], p, cfg, windows, 3)["loss"].sum()))(params)
+    assert all(not np.asarray(g).any() for k, g in grads.items() if k != "mtp" for g in jax.tree_util.tree_leaves(g))
+    step = jax.jit(lambda m: jax.tree_util.tree_map(lambda w, d: w - 0.05 * d, m, jax.grad(lambda x: loss(x).sum())(m)))
+    before, mtp = loss(params["mtp"]), params["mtp"]
+    for _ in range(4):
+        mtp = step(mtp)
+    assert (loss(mtp) < before).all()

@@ -51,6 +51,10 @@ class TrainRecipe:
     one after (so two extra targets). AdamW with linear warm-up then cosine decay to
     `final_lr_frac * lr`, global-norm clipping. Validation: `eval_windows` fixed windows every
     `eval_every` steps (the curve), all held-out text at the end (the reported perplexity).
+
+    Then the drafter's chained fine-tune (`training/chain.py`): `chain_steps` steps of Adam on the
+    MTP parameters alone, over `chain_depth` chained drafts of windows of `chain_seq_len` bases, the
+    depth losses weighted by `chain_weights` (0 steps: no fine-tune).
     """
 
     steps: int = 520
@@ -67,6 +71,12 @@ class TrainRecipe:
     eval_every: int = 100
     eval_windows: int = 32
     val_every_nth_file: int = 20
+    chain_steps: int = 300
+    chain_depth: int = 3
+    chain_seq_len: int = 128
+    chain_lr: float = 1e-3
+    chain_warmup: int = 20
+    chain_weights: tuple[float, ...] = (1.0, 1.0, 1.0)
 
 
 SMALL_RECIPE = TrainRecipe()
