@@ -172,8 +172,7 @@ def test_objective_gradient_lowers_both_losses():
 def test_the_chained_fine_tune_sees_the_engines_propose():
     """`chain_logits` at one base equals the engine's propose of 3 chained drafts there: the same
     drafts (argmax) and confidences (log-softmax at the draft) within float rounding (TrainOps'
-    16-row GDN chunk and dense attention against the engine's kernels). A chain fed the trunk's
-    hidden at depth 2, or attending over its own depth's keys, is O(1) off."""
+    16-row GDN chunk and dense attention against the engine's kernels)."""
     study = research.study_for("small")
     eng, cfg, params = study.engine, study.cfg, study.params
     prompt = research.heldout_prompts(1, 40, seed=5)[0]

@@ -2,7 +2,7 @@
 accepted and widths shrink at different steps): the fused and the composed step paths take the
 same steps under a K ladder and a confidence stop, emit plain greedy's tokens and compile nothing
 once warmed up; `progress` counts every emitted token; the stash holds the accepted row's hidden;
-the held-out first-draft acceptance stays at its measured value on both paths. Shares
+the held-out acceptance by draft position stays at its measured value on both paths. Shares
 `research.study_for("small")`'s engine with test_research."""
 
 import json
