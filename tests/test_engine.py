@@ -16,6 +16,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.model.cache import prefill_and_decode
@@ -489,3 +490,25 @@ def test_accept_and_the_fused_step_refuse_misuse(eng, tiny, greedy_ref):
     rep.prefill(seq, PROMPT)
     with pytest.raises(EngineError, match="needs --ssm-rollback-mode snapshot"):
         rep.speculative_step([seq], [1], [1], 0)
+
+
+def test_the_program_cache_keys_each_argument_by_its_shapes_whether_or_not_it_is_the_last_object_passed():
+    """An argument passed again as the same object reuses its signature (the engine's params); a new
+    object is keyed by its own shapes: a new shape compiles, the same shapes do not, and a program
+    is never reused for an argument of other shapes."""
+    cache = ProgramCache()
+
+    def step(pool, params, batch):
+        return pool + params["w"].sum() + batch.sum()
+
+    params = {"w": jnp.ones((2, 3))}
+    pool, batch = jnp.zeros((4,)), np.ones((5,), np.int32)
+    pool = cache.run("step", step, None, pool, params, batch)
+    pool = cache.run("step", step, None, pool, params, np.ones((5,), np.int32))
+    assert cache.compilations == 1
+    out = cache.run("step", step, None, pool, params, np.ones((6,), np.int32))
+    assert cache.compilations == 2 and out.shape == (4,)
+    wide = {"w": jnp.ones((3, 3))}
+    out = cache.run("step", step, None, out, wide, np.ones((6,), np.int32))
+    # each call adds its weights' and batch's sums: (6 + 5) + (6 + 5) + (6 + 6) + (9 + 6)
+    assert cache.compilations == 3 and float(out[0]) == 49.0

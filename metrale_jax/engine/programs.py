@@ -81,10 +81,10 @@ class ProgramInfo:
     param_copies: int
 
 
-def _signature(args: tuple) -> tuple:
+def _signature(arg: Any) -> tuple:
     """Tree structure plus every leaf's (shape, dtype): what decides whether a program fits.
     NOTE: dtype objects, not their names: `str(dtype)` per leaf would show in every step's host time."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
+    leaves, tree = jax.tree_util.tree_flatten(arg)
     return tree, tuple((x.shape, x.dtype) for x in leaves)
 
 
@@ -296,17 +296,36 @@ def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, pla
 class ProgramCache:
     """Compile-once cache of transitions. `run(name, fn, static, *args)` calls
     `fn(*args, static=static)` (or `fn(*args)` without a static part) with args[0] (the pool)
-    donated. Programs are keyed by (name, static, argument signature)."""
+    donated. Programs are keyed by (name, static, each argument's signature).
+
+    Arguments are pytrees of immutable arrays, replaced and never edited in place: an argument
+    that is the object last passed at its position keeps that object's signature."""
 
     def __init__(self) -> None:
         self._programs: dict[tuple, Any] = {}
+        self._signature_ids: dict[tuple, int] = {}  # each argument signature seen, interned
+        self._last: dict[int, tuple[Any, int]] = {}  # per position: the last argument and its signature id
         self.compilations = 0
         self.compile_seconds = 0.0  # spent compiling, over every compilation
         self.calls = 0  # programs run (each `run`)
         self.info: dict[tuple, ProgramInfo] = {}
 
+    def _argument_ids(self, args: tuple) -> tuple[int, ...]:
+        """The interned signature of each argument.
+        NOTE: the engine passes the same params object at every call; flattening its leaves and
+        hashing their shapes was the largest host cost of a step on a small model (~60 of ~80
+        leaves). A new pool or batch each call is flattened as before."""
+        ids = []
+        for i, x in enumerate(args):
+            last = self._last.get(i)
+            if last is None or last[0] is not x:
+                last = x, self._signature_ids.setdefault(_signature(x), len(self._signature_ids))
+                self._last[i] = last
+            ids.append(last[1])
+        return tuple(ids)
+
     def run(self, name: str, fn: Callable, static: ModelStatic | None, *args):
-        key = (name, static, _signature(args))
+        key = (name, static, self._argument_ids(args))
         prog = self._programs.get(key)
         if prog is None:
             t0 = time.perf_counter()
