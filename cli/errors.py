@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 import click
 
 from metrale_jax.errors import MetraleError
+from metrale_jax_cli import interrupts
 
 USER_EXIT = 2
 INTERRUPT_EXIT = 130
@@ -63,6 +64,7 @@ def guarded() -> Iterator[None]:
     line, any other exception `INTERNAL_EXIT` with one line pointing at its crash log."""
     try:
         yield
+        interrupts.raise_if_interrupted()
     except MetraleError as e:
         for line in e.messages:
             click.echo(f"error: {line}", err=True)

@@ -5,7 +5,8 @@ Invariants:
   module, and so jax, is imported.
 - A subcommand's module is imported only when the command line names it, inside the group's
   run, so everything after the first few standard-library imports, start-up included, ends as
-  `metrale_jax_cli.errors.guarded` says (Ctrl-C: exit 130 with one line, never a traceback).
+  `metrale_jax_cli.errors.guarded` says (Ctrl-C: exit 130 with one line, never a traceback);
+  SIGINT is handled by `metrale_jax_cli.interrupts` from the first import on, so none is lost.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 try:
+    from metrale_jax_cli import interrupts
+
+    interrupts.install()
+
     import importlib
 
     from metrale_jax import runtime_env
@@ -24,6 +29,8 @@ try:
     import click
 
     from metrale_jax_cli.errors import guarded
+
+    interrupts.raise_if_interrupted()
 except KeyboardInterrupt:  # NOTE: before Click and `guarded` are loaded, so their exit, by hand
     sys.stderr.write("error: interrupted\n")
     sys.exit(130)

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from metrale_jax.errors import MetraleError
+from metrale_jax_cli import interrupts
 
 
 class OutputError(MetraleError):
@@ -66,6 +67,7 @@ class OutputFile:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            interrupts.raise_if_interrupted()
             os.replace(tmp, self.path)
             done = True
         except OSError as e:

@@ -219,3 +219,25 @@ def test_an_unwritable_cache_is_no_cache_with_a_warning(decode_cache, tmp_path):
     assert row.how == "compiled" and row.temp == good["temp_size_in_bytes"]
     assert m.cache_warning is not None and "is not writable" in m.cache_warning
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_ctrl_c_that_python_discards_in_a_gc_callback_still_ends_the_run(tmp_path):
+    """SIGINT delivered while a garbage-collection callback runs (as JAX's does during start-up):
+    Python discards the KeyboardInterrupt raised there, the command goes on, and still exits 130
+    with one line and the earlier output untouched."""
+    out = tmp_path / "l.npy"
+    out.write_bytes(b"an earlier run\n")
+    setup = (
+        "import gc, os, signal\n"
+        "def _in_gc(phase, info):\n"
+        "    if not _in_gc.sent and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:\n"
+        "        _in_gc.sent = True\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "_in_gc.sent = False\n"
+        "gc.callbacks.append(_in_gc)\n"
+    )
+    p = _metrale([*LOGITS, "--out", str(out)], setup)
+    _, err = (s.decode() for s in p.communicate(timeout=300))
+    assert p.returncode == 130, err
+    assert err.strip() == "error: interrupted"
+    assert out.read_bytes() == b"an earlier run\n" and sorted(os.listdir(tmp_path)) == ["l.npy"]
