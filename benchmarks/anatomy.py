@@ -11,7 +11,8 @@ of XLA's entry computation (`ProgramInfo.launches`) and the compiled program alo
 arguments (`steps.DeviceStep`: median over `anatomy_iters` calls after one, pool donated and fed back), so
 the time per launch shows whether a step is bound by its work or by the number of kernels it runs.
 
-Products: `dot_sweep` times `x [M, in] @ w [out, in]^T` (the model's layout) at the realistic-width model's
+Products: `dot_sweep` times `x [M, in] @ w [out, in]^T` in both weight layouts (the checkpoint's [out, in], and
+the tiles the single-device CPU engine runs, `linear.TiledWeight`) at the realistic-width model's
 largest expert projection (`anatomy_dot_model`, the 45 M model by default: all experts' gate/up rows, as the
 `dense` MoE form runs them) for each M, over enough distinct weight matrices that every call reads its weight
 from memory, not from the cache (the regime of a real step), and in cache (one matrix, re-read): GB/s of
@@ -33,6 +34,7 @@ from benchmarks import models
 from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep
 from metrale_jax.engine.engine import Engine
+from metrale_jax.model.linear import linear, tile_weight
 
 # Distinct weights cycled per timed call in the out-of-cache sweep: their total is several times any L3.
 OUT_OF_CACHE_BYTES = 96 << 20
@@ -105,24 +107,33 @@ def _per_call(prod, x, weights: list) -> float:
 
 
 def dot_sweep(out_dim: int, in_dim: int, ms: list[int], repeats: int) -> list[dict]:
-    """GB/s of weight read by `x [M, in] @ w [out, in]^T` for each M: out of cache (distinct weights per
-    call) and in cache (one weight re-read)."""
+    """GB/s of weight read by `linear(x [M, in], w)` for each weight layout ([out, in]; tiled) and M: out of
+    cache (distinct weights per call) and in cache (one weight re-read)."""
     per = out_dim * in_dim * 4
     count = max(2, OUT_OF_CACHE_BYTES // per)
     keys = jax.random.split(jax.random.key(0), count)
-    weights = [jax.random.normal(k, (out_dim, in_dim), jnp.float32) for k in keys]
-    prod = jax.jit(lambda x, w: jnp.einsum("ri,oi->ro", x, w))
+    plain = [jax.random.normal(k, (out_dim, in_dim), jnp.float32) for k in keys]
+    prod = jax.jit(linear)
     out = []
-    for m in ms:
-        x = jax.random.normal(jax.random.key(m), (m, in_dim), jnp.float32)
-        for w in weights[:2]:
-            prod(x, w).block_until_ready()
+    for layout, weights in (("[out, in]", plain), ("tiled", [tile_weight(w) for w in plain])):
+        for m in ms:
+            x = jax.random.normal(jax.random.key(m), (m, in_dim), jnp.float32)
+            for w in weights[:2]:
+                prod(x, w).block_until_ready()
 
-        cold = statistics.median(_per_call(prod, x, weights) for _ in range(repeats))
-        warm = statistics.median(_per_call(prod, x, [weights[0]] * count) for _ in range(repeats))
-        out.append(
-            {"m": m, "cold_s": cold, "warm_s": warm, "cold_gb_s": per / cold / 1e9, "warm_gb_s": per / warm / 1e9}
-        )
+            cold = statistics.median(_per_call(prod, x, weights) for _ in range(repeats))
+            warm = statistics.median(_per_call(prod, x, [weights[0]] * count) for _ in range(repeats))
+            out.append(
+                {
+                    "layout": layout,
+                    "m": m,
+                    "cold_s": cold,
+                    "warm_s": warm,
+                    "cold_gb_s": per / cold / 1e9,
+                    "warm_gb_s": per / warm / 1e9,
+                }
+            )
+        del weights
     return out
 
 

@@ -508,6 +508,7 @@ def anatomy_table(r: dict) -> Table:
     ]
     dots = [
         (
+            d["layout"],
             str(d["m"]),
             f"{1e3 * d['cold_s']:.3f}",
             f"{d['cold_gb_s']:.1f}",
@@ -523,12 +524,13 @@ def anatomy_table(r: dict) -> Table:
         notes=(
             "launches: top-level kernels of the program's entry computation (ProgramInfo.launches); device ms: the "
             "compiled program alone on its captured arguments, median (pool donated and fed back); us/launch = the two",
-            "products: x [M, in] @ w [out, in]^T; 'from memory': a different weight each call (their total past any "
-            "cache, as in a real step), 'in cache': one weight re-read; GB/s of weight read per call",
+            "products: linear(x [M, in], w), w in the checkpoint's [out, in] layout and tiled (linear.TiledWeight, "
+            "what the single-device CPU engine runs); 'from memory': a different weight each call (their total past "
+            "any cache, as in a real step), 'in cache': one weight re-read; GB/s of weight read per call",
         ),
         grids=(
             Grid(("engine", "step", "program", "launches", "device ms", "us/launch"), programs, left=(0, 1, 2)),
-            Grid(("M", "from memory ms", "GB/s", "in cache ms", "GB/s "), dots),
+            Grid(("weight", "M", "from memory ms", "GB/s", "in cache ms", "GB/s "), dots),
         ),
     )
 

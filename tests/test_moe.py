@@ -8,17 +8,36 @@ import pytest
 
 from benchmarks.models import config
 from metrale_jax.model import mlp
+from metrale_jax.model.linear import TiledWeight, tile_weights
 from metrale_jax.params import init_params, moe_router_rows
 from metrale_jax.presets import TINY
 
 FORMS = ("dense", "pairs", "grouped")
-# TINY's MoE (8 experts, top-2) at a width where the products are not trivially exact.
-CFG = TINY.replace(num_hidden_layers=1, layer_types=TINY.layer_types[:1], mlp_only_layers=(), num_mtp_layers=0)
+# TINY's MoE (8 experts, top-2) at a width where the products are not trivially exact, its expert
+# intermediate doubled so that the experts' gate/up rows fill a tile (`linear.TILE`).
+CFG = TINY.replace(
+    num_hidden_layers=1,
+    layer_types=TINY.layer_types[:1],
+    mlp_only_layers=(),
+    num_mtp_layers=0,
+    moe_intermediate_size=32,
+)
 
 
 @pytest.fixture(scope="module")
 def p():
     return init_params(CFG, 3)["layers"][0]["mlp"]
+
+
+@pytest.fixture(scope="module", params=["plain", "tiled"])
+def laid_out(request, p):
+    """The block's weights in each layout the engine runs: [out, in] leaves, and tiled (the
+    single-device XLA CPU engine's: `linear.tile_weights`)."""
+    if request.param == "plain":
+        return p
+    tiled = tile_weights(p)
+    assert isinstance(tiled["gate_up"], TiledWeight) and isinstance(tiled["down"], TiledWeight)
+    return tiled
 
 
 def _moe(p, x, form):
@@ -53,11 +72,11 @@ def _hf_loop(p, x):
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("rows", [1, 3, 40])
-def test_every_form_is_the_eager_expert_loop(p, form, rows):
+@pytest.mark.parametrize("rows", [1, 3, 40, 80])
+def test_every_form_is_the_eager_expert_loop(p, laid_out, form, rows):
     x = jax.random.normal(jax.random.key(rows), (1, rows, CFG.hidden_size), jnp.float32)
     ref = _hf_loop(p, x).reshape(x.shape)
-    got = _moe(p, x, form)
+    got = _moe(laid_out, x, form)
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
@@ -72,15 +91,15 @@ def test_grouped_takes_more_rounds_when_the_load_is_skewed(p):
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_rows_are_isolated_nan_included(p, form):
+def test_rows_are_isolated_nan_included(laid_out, form):
     """A row's output bytes do not depend on the other rows: rows in another order come out in
     that order, and NaN in other rows changes nothing."""
     x = jax.random.normal(jax.random.key(5), (1, 16, CFG.hidden_size), jnp.float32)
-    ref = _moe(p, x, form)
+    ref = _moe(laid_out, x, form)
     perm = np.random.default_rng(0).permutation(16)
-    np.testing.assert_array_equal(_moe(p, x[:, perm], form), ref[:, perm])
+    np.testing.assert_array_equal(_moe(laid_out, x[:, perm], form), ref[:, perm])
     dirty = x.at[:, 1::2].set(jnp.nan)
-    got = _moe(p, dirty, form)
+    got = _moe(laid_out, dirty, form)
     np.testing.assert_array_equal(got[:, ::2], ref[:, ::2])
     assert np.isnan(got[:, 1::2]).all()
 

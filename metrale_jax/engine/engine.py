@@ -72,6 +72,7 @@ from metrale_jax.engine.sharding import (
     unshard_params,
 )
 from metrale_jax.model.layout import arrange_layers
+from metrale_jax.model.linear import backend_layout, untile_weights
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
 #: The prefix-cache namespace of a serve's sequences (`Engine.default_namespace`).
@@ -113,6 +114,12 @@ class SpeculativeOutput:
     draft_logits: np.ndarray | None = None
 
 
+def _place_params(params, cfg: ModelConfig, mesh: Mesh | None):
+    """The engine's weights: sharded over `mesh`, or on the default device, tiled where the tiled
+    layout applies (`linear.tiled_layout_applies`: XLA CPU without a mesh)."""
+    return backend_layout(params, mesh) if mesh is None else shard_params(params, cfg, mesh)
+
+
 class Engine:
     """Host shell of the engine. See the module docstring for the invariants."""
 
@@ -136,8 +143,7 @@ class Engine:
         if mesh is None:
             mesh = make_mesh(cfg, settings.tensor_parallel_size, settings.expert_parallel_size)
         self.mesh = mesh
-        arranged = arrange_layers(params, cfg, layout)
-        self.params = arranged if mesh is None else shard_params(arranged, cfg, mesh)
+        self.params = _place_params(arrange_layers(params, cfg, layout), cfg, mesh)
         self.settings = settings
         self.dtype = params["embed"].dtype
         self.counts = pool_counts(settings, cfg)
@@ -178,9 +184,9 @@ class Engine:
         Refused (EngineError) while a verify awaits its verdict."""
         if self._verified:
             raise EngineError("set_mesh with a verify awaiting its verdict")
-        params = unshard_params(self.params, self.cfg, self.mesh)
+        params = unshard_params(untile_weights(self.params), self.cfg, self.mesh)
         pool = canonical_pool(self.pool, self.cfg, self.mesh)
-        self.params = params if mesh is None else shard_params(params, self.cfg, mesh)
+        self.params = _place_params(params, self.cfg, mesh)
         self.pool = place_pool(pool, self.cfg, mesh)
         self.mesh = mesh
         self.programs = self._program_caches.setdefault(mesh, ProgramCache())

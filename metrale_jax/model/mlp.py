@@ -32,7 +32,15 @@ from jax.sharding import PartitionSpec
 
 from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
-from metrale_jax.model.linear import EXPERT_AXES, linear, linear_parts, mesh_devices
+from metrale_jax.model.linear import (
+    EXPERT_AXES,
+    expert_weight,
+    linear,
+    linear_parts,
+    linear_per_expert,
+    merge_experts,
+    mesh_devices,
+)
 from metrale_jax.params import dense_in_rows, moe_router_rows, shared_in_rows
 
 MoeForm = Literal["dense", "pairs", "grouped"]
@@ -99,10 +107,10 @@ def _dense(x, top_i, top_w, gate_up, down, inter: int):
     """Every expert on every row. x [R, Hd]; top_i, top_w [R, k] -> [R, Hd].
     NOTE: gate_up as one [E*2I, Hd] projection and down batched over experts: an einsum over
     (expert, intermediate) at once makes XLA CPU copy `down` into another layout at every step."""
-    e, hd = gate_up.shape[0], x.shape[-1]
+    e = gate_up.shape[0]
     combine = ordered_sum(jax.nn.one_hot(top_i, e, dtype=x.dtype) * top_w[..., None], axis=-2)  # [R, E]
-    act = _act(linear(x, gate_up.reshape(-1, hd)).reshape(x.shape[0], e, 2 * inter), inter)  # [R, E, I]
-    y = jnp.einsum("ehi,rei->erh", down, act)  # [E, R, Hd]
+    act = _act(linear(x, merge_experts(gate_up)).reshape(x.shape[0], e, 2 * inter), inter)  # [R, E, I]
+    y = linear_per_expert(jnp.swapaxes(act, 0, 1), down)  # [E, R, Hd]
     return ordered_sum(y * combine.T[..., None], axis=0)
 
 
@@ -115,8 +123,8 @@ def _pairs(x, top_i, top_w, gate_up, down, inter: int):
         r, s = p // k, p % k
         e = top_i[r, s]
         xr = jax.lax.dynamic_index_in_dim(x, r, keepdims=False)
-        gu = linear(xr, jax.lax.dynamic_index_in_dim(gate_up, e, keepdims=False))
-        y = linear(_act(gu, inter), jax.lax.dynamic_index_in_dim(down, e, keepdims=False))
+        gu = linear(xr, expert_weight(gate_up, e))
+        y = linear(_act(gu, inter), expert_weight(down, e))
         return acc.at[r].add(y * top_w[r, s])
 
     return jax.lax.fori_loop(0, top_i.size, pair, jnp.zeros_like(x))
@@ -147,8 +155,8 @@ def _grouped(x, top_i, top_w, gate_up, down, inter: int, capacity: int):
         valid = rank[None, :] < counts[:, None]  # [E, C]
         pair = order[jnp.where(valid, starts[:, None] + rank[None, :], 0)]
         xs = jnp.where(valid[..., None], x[pair // k], 0)  # [E, C, Hd]
-        gu = jnp.einsum("ech,eoh->eco", xs, gate_up)
-        y = jnp.einsum("eci,ehi->ech", _act(gu, inter), down)
+        gu = linear_per_expert(xs, gate_up)
+        y = linear_per_expert(_act(gu, inter), down)
         out = out.at[jnp.where(valid, pair, n * k).reshape(-1)].set(y.reshape(-1, hd), mode="drop")
         return j + 1, out
 

@@ -77,7 +77,7 @@ def lm_head(params, cfg: ModelConfig, normed):
     # product and scheduled that copy (1.19 GB for the 80B's lm_head) at the program's start, where it
     # stayed live through every layer of a prefill. A no-op on values and on a GPU.
     normed, w = jax.lax.optimization_barrier((normed, w))
-    return jnp.einsum("...i,vi->...v", normed, w).astype(jnp.float32)
+    return linear(normed, w).astype(jnp.float32)
 
 
 def final_norm(params, cfg: ModelConfig, hidden):
