@@ -12,7 +12,7 @@ arguments (`steps.DeviceStep`: median over `anatomy_iters` calls after one, pool
 the time per launch shows whether a step is bound by its work or by the number of kernels it runs.
 
 Products: `dot_sweep` times `x [M, in] @ w [out, in]^T` in both weight layouts (the checkpoint's [out, in], and
-the tiles the single-device CPU engine runs, `linear.TiledWeight`) at the realistic-width model's
+the input-major [in, out] the single-device CPU engine runs, `linear.TransposedWeight`) at the realistic-width model's
 largest expert projection (`anatomy_dot_model`, the 45 M model by default: all experts' gate/up rows, as the
 `dense` MoE form runs them) for each M, over enough distinct weight matrices that every call reads its weight
 from memory, not from the cache (the regime of a real step), and in cache (one matrix, re-read): GB/s of
@@ -34,7 +34,7 @@ from benchmarks import models
 from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep
 from metrale_jax.engine.engine import Engine
-from metrale_jax.model.linear import linear, tile_weight
+from metrale_jax.model.linear import TransposedWeight, linear
 
 # Distinct weights cycled per timed call in the out-of-cache sweep: their total is several times any L3.
 OUT_OF_CACHE_BYTES = 96 << 20
@@ -107,7 +107,7 @@ def _per_call(prod, x, weights: list) -> float:
 
 
 def dot_sweep(out_dim: int, in_dim: int, ms: list[int], repeats: int) -> list[dict]:
-    """GB/s of weight read by `linear(x [M, in], w)` for each weight layout ([out, in]; tiled) and M: out of
+    """GB/s of weight read by `linear(x [M, in], w)` for each weight layout ([out, in]; [in, out]) and M: out of
     cache (distinct weights per call) and in cache (one weight re-read)."""
     per = out_dim * in_dim * 4
     count = max(2, OUT_OF_CACHE_BYTES // per)
@@ -115,7 +115,7 @@ def dot_sweep(out_dim: int, in_dim: int, ms: list[int], repeats: int) -> list[di
     plain = [jax.random.normal(k, (out_dim, in_dim), jnp.float32) for k in keys]
     prod = jax.jit(linear)
     out = []
-    for layout, weights in (("[out, in]", plain), ("tiled", [tile_weight(w) for w in plain])):
+    for layout, weights in (("[out, in]", plain), ("[in, out]", [TransposedWeight.of(w) for w in plain])):
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, in_dim), jnp.float32)
             for w in weights[:2]:

@@ -524,9 +524,10 @@ def anatomy_table(r: dict) -> Table:
         notes=(
             "launches: top-level kernels of the program's entry computation (ProgramInfo.launches); device ms: the "
             "compiled program alone on its captured arguments, median (pool donated and fed back); us/launch = the two",
-            "products: linear(x [M, in], w), w in the checkpoint's [out, in] layout and tiled (linear.TiledWeight, "
-            "what the single-device CPU engine runs); 'from memory': a different weight each call (their total past "
-            "any cache, as in a real step), 'in cache': one weight re-read; GB/s of weight read per call",
+            "products: linear(x [M, in], w), w in the checkpoint's [out, in] layout and input-major [in, out] "
+            "(linear.TransposedWeight, what the single-device CPU engine runs); 'from memory': a different weight each "
+            "call (their total past any cache, as in a real step), 'in cache': one weight re-read; GB/s of weight read "
+            "per call",
         ),
         grids=(
             Grid(("engine", "step", "program", "launches", "device ms", "us/launch"), programs, left=(0, 1, 2)),

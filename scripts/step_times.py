@@ -1,8 +1,9 @@
-"""Device times of `tiny`'s decode and verify programs in the source tree this interpreter imports, for
-side-by-side comparisons of two trees (alternate the processes):
+"""Device times of a benchmark model's decode and verify programs (`tiny` by default, or the model named
+after the label: `benchmarks.models.model`) in the source tree this interpreter imports, for side-by-side
+comparisons of two trees (alternate the processes):
 
-    PYTHONPATH=/path/to/old/tree .venv/bin/python scripts/step_times.py old
-    PYTHONPATH=$PWD .venv/bin/python scripts/step_times.py new
+    PYTHONPATH=/path/to/old/tree .venv/bin/python scripts/step_times.py old [MODEL]
+    PYTHONPATH=$PWD .venv/bin/python scripts/step_times.py new [MODEL]
 
 Pinned to one core; each program alone on its captured arguments (`benchmarks.steps.DeviceStep`), median of 300
 calls after 20.
@@ -22,8 +23,9 @@ from benchmarks.steps import DeviceStep  # noqa: E402
 from metrale_jax.engine.engine import Engine  # noqa: E402
 
 
-def device_ms(cfg, params, kind: str, n: int, k: int, rng) -> float:
-    """Median ms of one `kind` program (decode, or a verify of K = k rows) over n sequences of 128 tokens."""
+def captured_step(cfg, params, kind: str, n: int, k: int, rng) -> DeviceStep:
+    """The compiled `kind` program (decode, or a verify of K = k rows) over n sequences of 128 tokens, captured
+    on its arguments by an engine built now."""
     flags: dict = dict(max_batch_size=8, max_seq_len=256)
     if kind == "verify":
         flags.update(speculative=True, num_drafts=k - 1, mtp_k_ladder=f"8:{k - 1}")
@@ -35,18 +37,24 @@ def device_ms(cfg, params, kind: str, n: int, k: int, rng) -> float:
         dev, _ = DeviceStep.capture(e, lambda: e.decode_batch(seqs, [1] * n))
     else:
         dev, _ = DeviceStep.capture(e, lambda: e.verify_batched(seqs, [1] * (n * k), [k] * n))
+    return dev
+
+
+def device_ms(cfg, params, kind: str, n: int, k: int, rng) -> float:
+    """Median ms of one `captured_step` program."""
+    dev = captured_step(cfg, params, kind, n, k, rng)
     dev.time(20)
     return round(dev.time(300) * 1e3, 4)
 
 
 def main() -> None:
-    cfg, params = models.model("tiny")
+    cfg, params = models.model(sys.argv[2] if len(sys.argv) > 2 else "tiny")
     rng = np.random.default_rng(0)
     out = {f"{kind} n={n} K={k}": device_ms(cfg, params, kind, n, k, rng) for kind, n, k in STEPS}
     print(sys.argv[1] if len(sys.argv) > 1 else "", os.path.dirname(os.path.dirname(metrale_jax.__file__)), out)
 
 
-STEPS = [("decode", 1, 1), ("decode", 8, 1), ("verify", 8, 4)]
+STEPS = [("decode", 1, 1), ("decode", 8, 1), ("verify", 1, 4), ("verify", 8, 4)]
 
 if __name__ == "__main__":
     main()

@@ -36,9 +36,9 @@ from metrale_jax.model.linear import (
     EXPERT_AXES,
     expert_weight,
     linear,
+    linear_all_experts,
     linear_parts,
     linear_per_expert,
-    merge_experts,
     mesh_devices,
 )
 from metrale_jax.params import dense_in_rows, moe_router_rows, shared_in_rows
@@ -105,11 +105,11 @@ def _act(gu, inter: int):
 
 def _dense(x, top_i, top_w, gate_up, down, inter: int):
     """Every expert on every row. x [R, Hd]; top_i, top_w [R, k] -> [R, Hd].
-    NOTE: gate_up as one [E*2I, Hd] projection and down batched over experts: an einsum over
+    NOTE: gate_up against every expert at once and down batched over experts: an einsum over
     (expert, intermediate) at once makes XLA CPU copy `down` into another layout at every step."""
     e = gate_up.shape[0]
     combine = ordered_sum(jax.nn.one_hot(top_i, e, dtype=x.dtype) * top_w[..., None], axis=-2)  # [R, E]
-    act = _act(linear(x, merge_experts(gate_up)).reshape(x.shape[0], e, 2 * inter), inter)  # [R, E, I]
+    act = _act(linear_all_experts(x, gate_up), inter)  # [R, E, I]
     y = linear_per_expert(jnp.swapaxes(act, 0, 1), down)  # [E, R, Hd]
     return ordered_sum(y * combine.T[..., None], axis=0)
 

@@ -1,0 +1,77 @@
+"""The single-device CPU engine's weight layouts side by side, in one process: each step's program with the
+projections as the engine holds them (input-major, `linear.backend_layout`) and in the checkpoints' [out, in],
+the two alternated round by round.
+
+    .venv/bin/python scripts/layout_ab.py [MODEL] [STEP ...]
+
+MODEL: a `benchmarks.models.model` name (default qwen3-next-h512); STEP: kind:n:k, a decode of n sequences
+(k = 1), a verify of n sequences of K = k rows, or a prefill of one sequence of k tokens (default: prefill 128,
+decode n = 1 and 8, verify K = 4 at n = 1 and 8). Pinned to one core; decode and verify time the compiled
+program alone (`step_times.captured_step`), a prefill the engine call; per layout the least of ROUNDS (3)
+medians of REPS (10) calls.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+os.sched_setaffinity(0, {0})
+sys.path.insert(0, os.getcwd())
+
+from step_times import captured_step  # noqa: E402  (this script's folder)
+
+import metrale_jax.engine.engine as engine_module  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.steps import StepBench  # noqa: E402
+
+LAYOUTS = {"[in, out]": engine_module.backend_layout, "[out, in]": lambda params, mesh: params}
+DEFAULT_STEPS = ["prefill:1:128", "decode:1:1", "decode:8:1", "verify:1:4", "verify:8:4"]
+
+
+def parse_step(text: str) -> tuple[str, int, int]:
+    """kind:n:k -> (kind, n, k)."""
+    kind, n, k = text.split(":")
+    return kind, int(n), int(k)
+
+
+def timer(cfg, params, kind: str, n: int, k: int, rng):
+    """A callable that runs the step once and returns its seconds, for an engine built now."""
+    if kind == "prefill":
+        bench = StepBench(cfg, params, max_batch=1, max_seq_len=16 * (k // 16 + 3))
+        tokens = rng.integers(0, cfg.vocab_size, k).tolist()
+        bench.prefill(tokens)
+        return lambda: bench.prefill(tokens)[0]
+    dev = captured_step(cfg, params, kind, n, k, rng)
+    dev.time(5)
+    return lambda: dev.time(1)
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-next-h512"
+    steps = [parse_step(s) for s in sys.argv[2:] or DEFAULT_STEPS]
+    rounds, reps = int(os.environ.get("ROUNDS", 3)), int(os.environ.get("REPS", 10))
+    cfg, params = models.model(name)
+    rng = np.random.default_rng(0)
+    for kind, n, k in steps:
+        timers = {}
+        for layout, place in LAYOUTS.items():
+            engine_module.backend_layout = place
+            try:
+                timers[layout] = timer(cfg, params, kind, n, k, rng)
+            finally:
+                engine_module.backend_layout = LAYOUTS["[in, out]"]
+        best = {layout: float("inf") for layout in LAYOUTS}
+        for _ in range(rounds):
+            for layout, run in timers.items():
+                best[layout] = min(best[layout], float(np.median([run() for _ in range(reps)])) * 1e3)
+        plain, held = best["[out, in]"], best["[in, out]"]
+        print(
+            f"{name} {kind} n={n} {'K' if kind == 'verify' else 'tokens' if kind == 'prefill' else 'k'}={k}: "
+            f"[out, in] {plain:.3f} ms, [in, out] {held:.3f} ms, ratio {plain / held:.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
