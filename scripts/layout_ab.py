@@ -23,9 +23,11 @@ from step_times import captured_step  # noqa: E402  (this script's folder)
 
 import metrale_jax.engine.engine as engine_module  # noqa: E402
 from benchmarks import models  # noqa: E402
-from benchmarks.steps import StepBench  # noqa: E402
+from benchmarks.steps import StepBench, max_seq_len_for  # noqa: E402
 
 LAYOUTS = {"[in, out]": engine_module.backend_layout, "[out, in]": lambda params, mesh: params}
+# How a step's k reads in the report.
+STEP_SIZE = {"prefill": " tokens=", "decode": " K=", "verify": " K="}
 DEFAULT_STEPS = ["prefill:1:128", "decode:1:1", "decode:8:1", "verify:1:4", "verify:8:4"]
 
 
@@ -38,7 +40,7 @@ def parse_step(text: str) -> tuple[str, int, int]:
 def timer(cfg, params, kind: str, n: int, k: int, rng):
     """A callable that runs the step once and returns its seconds, for an engine built now."""
     if kind == "prefill":
-        bench = StepBench(cfg, params, max_batch=1, max_seq_len=16 * (k // 16 + 3))
+        bench = StepBench(cfg, params, max_batch=1, max_seq_len=max_seq_len_for(k))
         tokens = rng.integers(0, cfg.vocab_size, k).tolist()
         bench.prefill(tokens)
         return lambda: bench.prefill(tokens)[0]
@@ -67,8 +69,8 @@ def main() -> None:
                 best[layout] = min(best[layout], float(np.median([run() for _ in range(reps)])) * 1e3)
         plain, held = best["[out, in]"], best["[in, out]"]
         print(
-            f"{name} {kind} n={n} {'K' if kind == 'verify' else 'tokens' if kind == 'prefill' else 'k'}={k}: "
-            f"[out, in] {plain:.3f} ms, [in, out] {held:.3f} ms, ratio {plain / held:.2f}",
+            f"{name} {kind} n={n}{STEP_SIZE[kind]}{k}: [out, in] {plain:.3f} ms, [in, out] {held:.3f} ms, "
+            f"ratio {plain / held:.2f}",
             flush=True,
         )
 
