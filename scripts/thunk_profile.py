@@ -1,0 +1,122 @@
+"""Where one step program's time goes on XLA CPU: the device time of each top-level op (thunk) of a benchmark
+model's decode or verify program, from XLA's own per-thunk trace events.
+
+    .venv/bin/python scripts/thunk_profile.py [MODEL] [KIND:N:K] [--top 30] [--iters 20]
+
+MODEL: a `benchmarks.models.model` name (default qwen3-next-h512); KIND:N:K: a decode of N sequences (K = 1) or
+a verify of N sequences of K rows (default verify:1:4), captured by `step_times.captured_step` (128-token
+contexts). The captured program is compiled again with `xla_cpu_enable_xprof_traceme` and run ITERS times
+under `jax.profiler.trace`; each op's time is its trace events' total per run, listed with its result shape
+and the jax operation it came from. Pinned to one core.
+
+NOTE: every traced thunk pays a few microseconds of tracing, so a program of many small ops (the `tiny` and
+`small` presets) runs several times slower traced and its small ops read too long; at realistic widths the
+traced program stays within ~20% of its untraced time (both are printed). A `while` or `call` op's time
+includes its body's ops (an MoE `pairs` loop, the attention over KV blocks).
+"""
+
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import click
+import jax
+import numpy as np
+
+os.sched_setaffinity(0, {0})
+sys.path.insert(0, os.getcwd())
+
+from step_times import captured_step  # noqa: E402  (this script's folder)
+
+from benchmarks import models  # noqa: E402
+from metrale_jax.engine.pool import EnginePool  # noqa: E402
+from metrale_jax.engine.programs import compile_transition  # noqa: E402
+
+TRACEME = {"xla_cpu_enable_xprof_traceme": True}
+# An instruction line of optimized HLO: its name and what follows the "="
+# ("%fusion.3 = f32[4,512]{1,0} fusion(%a), ...").
+_INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+# The opcode: the word whose "(" opens the operands (an operand or nothing), after a result type that may be a tuple.
+_OPCODE_RE = re.compile(r"\s([\w\-]+)\((?:%|\))")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def instructions(hlo_text: str) -> dict[str, str]:
+    """{instruction name: 'result type, opcode, jax op'} of an optimized HLO module's entry computation."""
+    entry = hlo_text.split("ENTRY", 1)[-1]
+    out = {}
+    for line in entry.splitlines():
+        m = _INSTRUCTION_RE.match(line)
+        opcode = _OPCODE_RE.search(m.group(2)) if m else None
+        if m and opcode:
+            rest = m.group(2)
+            result = "tuple" if rest.startswith("(") else rest.split("{", 1)[0].split(" ", 1)[0]
+            op = _OP_NAME_RE.search(line)
+            out[m.group(1)] = f"{result} {opcode.group(1)} {op.group(1) if op else ''}"
+    return out
+
+
+def run_timed(prog, pool: EnginePool, rest: tuple, iters: int) -> tuple[float, EnginePool]:
+    """Median seconds of `iters` runs of `prog` (pool fed back, every output waited for)."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = prog(pool, *rest)
+        pool = out[-1]
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), pool
+
+
+def thunk_totals(trace_dir: Path) -> dict[str, float]:
+    """{event name: total microseconds} over the complete events of the trace `jax.profiler` wrote."""
+    path = next(trace_dir.rglob("*.trace.json.gz"))
+    with gzip.open(path) as f:
+        doc = json.load(f)
+    totals: dict[str, float] = defaultdict(float)
+    for e in doc["traceEvents"] if isinstance(doc, dict) else doc:
+        if e.get("ph") == "X":
+            totals[e.get("name", "")] += e.get("dur", 0)
+    return totals
+
+
+@click.command()
+@click.argument("model", default="qwen3-next-h512")
+@click.argument("step", default="verify:1:4")
+@click.option("--top", default=30, show_default=True, help="ops listed, longest first")
+@click.option("--iters", default=20, show_default=True, help="traced runs")
+def main(model: str, step: str, top: int, iters: int) -> None:
+    kind, *sizes = step.split(":")
+    if kind not in ("decode", "verify") or len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes):
+        raise click.BadParameter(f"{step!r}: decode:N:1 or verify:N:K with N, K >= 1", param_hint="STEP")
+    n, k = sizes
+    cfg, params = models.model(model)
+    dev = captured_step(cfg, params, kind, int(n), int(k), np.random.default_rng(0))
+    _, fn, static, rest = dev.captured
+    pool = dev.engine.pool
+    plain = compile_transition(fn, static, (pool, *rest))
+    traced = compile_transition(fn, static, (pool, *rest), TRACEME)
+    ops = instructions(traced.as_text())
+    _, pool = run_timed(plain, pool, rest, 5)
+    untraced, pool = run_timed(plain, pool, rest, iters)
+    _, pool = run_timed(traced, pool, rest, 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            traced_s, pool = run_timed(traced, pool, rest, iters)
+        totals = thunk_totals(Path(tmp))
+    per_run = {name: us / iters for name, us in totals.items() if name in ops}
+    times = f"{untraced * 1e3:.3f} ms untraced, {traced_s * 1e3:.3f} ms traced (median of {iters})"
+    print(f"{model} {kind} n={n} K={k}: {times}")
+    print(f"  top-level ops: {len(ops)}, traced time {sum(per_run.values()) / 1e3:.3f} ms per run")
+    for name, us in sorted(per_run.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us:9.1f} us  {name:36s} {ops[name][:120]}")
+
+
+if __name__ == "__main__":
+    main()
