@@ -24,10 +24,11 @@ from metrale_jax.engine.engine import Engine  # noqa: E402
 
 
 def captured_step(cfg, params, kind: str, n: int, k: int, rng) -> DeviceStep:
-    """The compiled `kind` program (decode, or a verify of K = k rows) over n sequences of 128 tokens, captured
-    on its arguments by an engine built now."""
+    """The compiled `kind` program (decode; a verify of K = k rows; `fused`: the fused speculative step, a verify
+    of K = k rows then a propose of k - 1 drafts) over n sequences of 128 tokens, captured on its arguments by an
+    engine built now."""
     flags: dict = dict(max_batch_size=8, max_seq_len=256)
-    if kind == "verify":
+    if kind in ("verify", "fused"):
         flags.update(speculative=True, num_drafts=k - 1, mtp_k_ladder=f"8:{k - 1}")
     e = Engine(cfg, params, models.settings(**flags))
     seqs = [e.alloc_sequence() for _ in range(n)]
@@ -35,6 +36,9 @@ def captured_step(cfg, params, kind: str, n: int, k: int, rng) -> DeviceStep:
         e.prefill(s, rng.integers(0, cfg.vocab_size, 128).tolist())
     if kind == "decode":
         dev, _ = DeviceStep.capture(e, lambda: e.decode_batch(seqs, [1] * n))
+    elif kind == "fused":
+        step = lambda: e.speculative_step(seqs, [1] * (n * k), [k] * n, k - 1)
+        dev, _ = DeviceStep.capture(e, step, "speculative_step")
     else:
         dev, _ = DeviceStep.capture(e, lambda: e.verify_batched(seqs, [1] * (n * k), [k] * n))
     return dev

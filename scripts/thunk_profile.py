@@ -1,17 +1,17 @@
 """Where one step program's time goes on XLA CPU: the device time of each top-level op (thunk) of a benchmark
-model's decode or verify program, from XLA's own per-thunk trace events.
+model's decode, verify or fused speculative step program, from XLA's own per-thunk trace events.
 
     .venv/bin/python scripts/thunk_profile.py [MODEL] [KIND:N:K] [--top 30] [--iters 20]
 
-MODEL: a `benchmarks.models.model` name (default qwen3-next-h512); KIND:N:K: a decode of N sequences (K = 1) or
-a verify of N sequences of K rows (default verify:1:4), captured by `step_times.captured_step` (128-token
-contexts). The captured program is compiled again with `xla_cpu_enable_xprof_traceme` and run ITERS times
-under `jax.profiler.trace`; each op's time is its trace events' total per run, listed with its result shape
-and the jax operation it came from. Pinned to one core.
+MODEL: a `benchmarks.models.model` name (default qwen3-next-h512); KIND:N:K: a decode of N sequences (K = 1), a
+verify of N sequences of K rows (default verify:1:4) or the fused speculative step of that verify and K - 1
+drafts, captured by `step_times.captured_step` (128-token contexts). The captured program is compiled again
+with `xla_cpu_enable_xprof_traceme` and run ITERS times under `jax.profiler.trace`; each op's time is its trace
+events' total per run, listed with its result shape and the jax operation it came from. Pinned to one core.
 
 NOTE: every traced thunk pays a few microseconds of tracing, so a program of many small ops (the `tiny` and
 `small` presets) runs several times slower traced and its small ops read too long; at realistic widths the
-traced program stays within ~20% of its untraced time (both are printed). A `while` or `call` op's time
+traced program stays within ~25% of its untraced time (both are printed). A `while` or `call` op's time
 includes its body's ops (an MoE `pairs` loop, the attention over KV blocks).
 """
 
@@ -93,8 +93,14 @@ def thunk_totals(trace_dir: Path) -> dict[str, float]:
 @click.option("--iters", default=20, show_default=True, help="traced runs")
 def main(model: str, step: str, top: int, iters: int) -> None:
     kind, *sizes = step.split(":")
-    if kind not in ("decode", "verify") or len(sizes) != 2 or not all(x.isdigit() and int(x) > 0 for x in sizes):
-        raise click.BadParameter(f"{step!r}: decode:N:1 or verify:N:K with N, K >= 1", param_hint="STEP")
+    if (
+        kind not in ("decode", "verify", "fused")
+        or len(sizes) != 2
+        or not all(x.isdigit() and int(x) > 0 for x in sizes)
+    ):
+        raise click.BadParameter(f"{step!r}: decode:N:1, verify:N:K or fused:N:K with N, K >= 1", param_hint="STEP")
+    if kind == "fused" and sizes[1] == "1":
+        raise click.BadParameter(f"{step!r}: a fused step verifies K >= 2 rows (K - 1 drafts)", param_hint="STEP")
     n, k = sizes
     cfg, params = models.model(model)
     dev = captured_step(cfg, params, kind, int(n), int(k), np.random.default_rng(0))
