@@ -435,10 +435,22 @@ def test_program_digest_ignores_source_locations():
 def test_a_fused_step_is_one_program_call_and_one_transfer(eng, greedy_ref, monkeypatch):
     """A fused step runs one compiled program and makes one device-to-host transfer, counted at the
     engine's one fetch point (`Engine._fetch`; no other line of engine.py converts a device array
-    to numpy); it updates the pool in place."""
+    to numpy), and one host-to-device transfer: its host inputs go as one vector (`HostPacking`),
+    the only numpy argument of the compiled call; it updates the pool in place."""
     import inspect
 
     from metrale_jax.engine import engine as engine_module
+    from metrale_jax.engine.programs import PackedProgram
+
+    sent = []
+    call = PackedProgram.__call__
+
+    def counting(self, *args):
+        leaves = jax.tree_util.tree_leaves(self.packing.pack(args))
+        sent.append(sum(isinstance(x, np.ndarray) for x in leaves))
+        return call(self, *args)
+
+    monkeypatch.setattr(PackedProgram, "__call__", counting)
 
     source = inspect.getsource(engine_module)
     assert source.count("np.asarray(") == source.count("np.array(") + 1 == 1, "only _fetch converts"
@@ -454,6 +466,7 @@ def test_a_fused_step_is_one_program_call_and_one_transfer(eng, greedy_ref, monk
         for _ in range(3):
             out = eng.speculative_step(seqs, [x for s in seqs for x in (s.tokens[-1], 1, 2)], [3] * 3, 3)
         assert eng.programs.calls - calls == 3 and fetched == [(4, 1 + 4 + 2 * 3)] * 3
+        assert sent[-3:] == [1] * 3, "the step's host inputs cross as one array"
         assert out.drafts.shape == out.confidences.shape == (3, 3) and out.verify_logits is None
         eng.decode_batch(seqs, [1, 2, 3])
         assert len(fetched) == 3 + 2, "a decode fetches its logits and argmaxes"

@@ -34,6 +34,7 @@ from metrale_jax.engine.inputs import (
     abstract,
 )
 from metrale_jax.engine.pool import allocate_pool
+from metrale_jax.engine.programs import HostPacking
 from metrale_jax.memory.activations import ActivationModel
 
 N = 4  # sequences: a DECODE_BATCH_LADDER rung, so the full-width calls are the planner's widths
@@ -204,3 +205,34 @@ def test_the_transition_refuses_a_batch_of_the_wrong_shape(served):
     narrow = batch.replace(block_tables=batch.block_tables[:, :-1])
     with pytest.raises(AssertionError):
         jax.eval_shape(step, pool, params, abstract(narrow))
+
+
+def test_host_inputs_travel_as_one_int32_vector(served):
+    """`HostPacking` moves every host input of a call as one int32 vector and rebuilds each leaf
+    inside the trace: same tree, shapes, dtypes and values (the bool fields included); the other
+    arguments pass as they are."""
+    eng, _, _ = served
+    c, mbd = eng.counts, eng.draft_width
+    step = StepBatch.padded(c, mbd, 2, 3, verify=True)
+    step.tokens[:] = [[1, 2, 3], [4, 5, 6]]
+    propose = ProposeBatch.padded(c, mbd, 2)
+    propose.valid[1] = True
+    verdict = VerdictBatch.padded(c, 2)
+    verdict.restore[0] = True
+    device = jnp.arange(3.0)
+    args = (device, step, 7, propose, verdict)
+    packing = HostPacking.of(args)
+    packed = packing.pack(args)
+    assert packing.positions == (1, 3, 4)
+    assert packed[:2] == (device, 7) and len(packed) == 3
+    assert packed[2].dtype == np.int32 and packed[2].shape == (packing.size,)
+    assert packing.size == sum(x.size for a in (step, propose, verdict) for x in jax.tree_util.tree_leaves(a))
+    unpacked = packing.unpack(packed)
+    assert unpacked[0] is device and unpacked[2] == 7
+    traced = jax.jit(lambda d, v: [packing.unpack((d, 7, v))[i] for i in packing.positions])(device, packed[2])
+    for got in ([unpacked[i] for i in packing.positions], traced):
+        for g, want in zip(got, (step, propose, verdict)):
+            chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, g), want, strict=True)
+    assert packing.pack((device, abstract(step), 7, abstract(propose), abstract(verdict)))[-1] == (
+        jax.ShapeDtypeStruct((packing.size,), np.int32)
+    )

@@ -22,8 +22,9 @@ Invariants:
   letters: B the batch width (a `capacity.DECODE_BATCH_LADDER` rung), T rows per sequence, Tb a
   prefill bucket (`PoolCounts.prefill_bucket`), MB `counts.max_blocks_per_seq`, MBd the drafter
   table width (`capacity.draft_table_width`).
-- NOTE: the leaves are numpy, not jnp: the compiled call moves numpy arguments to the device in
-  C++, where a jnp array would dispatch a conversion op per argument.
+- NOTE: the leaves are numpy, not jnp: a jnp array would dispatch a conversion op per argument.
+  Every input kind is a `HostInput`, which a compiled call moves to the device as one int32
+  vector (`programs.HostPacking`), not as one transfer per leaf.
 - The static parts are frozen and hashable: they key `ProgramCache` and are closed over by the
   traced function, never traced.
 """
@@ -119,7 +120,12 @@ class SpeculativeStatic(ModelStatic):
 # ---------------------------------------------------------------- the model's programs
 
 
-class PrefillChunk(struct.PyTreeNode):
+class HostInput(struct.PyTreeNode):
+    """A program input the host builds, int32 (or bool) numpy leaves only: `programs` moves every
+    such argument of a call to the device packed in one int32 vector (`programs.HostPacking`)."""
+
+
+class PrefillChunk(HostInput):
     """One prefill chunk of one sequence; row t of the chunk sits at position start + t."""
 
     tokens: Array  # [1, Tb]; rows >= length are padding
@@ -142,7 +148,7 @@ class PrefillChunk(struct.PyTreeNode):
         )
 
 
-class StepBatch(struct.PyTreeNode):
+class StepBatch(HostInput):
     """Decode (T = 1) or verify (T = K) rows of B sequences; row t of sequence b sits at position
     seq_lens[b] + t. vrow_base and vslot are read only by a verify."""
 
@@ -172,7 +178,7 @@ class StepBatch(struct.PyTreeNode):
         )
 
 
-class ProposeBatch(struct.PyTreeNode):
+class ProposeBatch(HostInput):
     """The MTP drafter's batched propose over B sequences, from the last sampled token."""
 
     last: Array  # [B] the last sampled token
@@ -196,7 +202,7 @@ class ProposeBatch(struct.PyTreeNode):
 # ---------------------------------------------------------------- the verdict's programs
 
 
-class VerdictBatch(struct.PyTreeNode):
+class VerdictBatch(HostInput):
     """A batched verify's verdict, per sequence. Each program reads its own fields:
     `gdn_fold_accepted` slots, rows, ks, vrow_base; `commit_conv` slots, vslots, rows, ks;
     `restore_checkpoint` slots, vslots, restore.
@@ -223,7 +229,7 @@ class VerdictBatch(struct.PyTreeNode):
         )
 
 
-class StashBatch(struct.PyTreeNode):
+class StashBatch(HostInput):
     """Which verify hidden row each sequence's stash row takes."""
 
     rows: Array  # [B] flat verify row
@@ -238,7 +244,7 @@ class StashBatch(struct.PyTreeNode):
 # ---------------------------------------------------------------- swap
 
 
-class SequenceAddress(struct.PyTreeNode):
+class SequenceAddress(HostInput):
     """Where one sequence's state lives (block tables null-padded)."""
 
     slot: Array  # []
@@ -255,7 +261,7 @@ class SequenceAddress(struct.PyTreeNode):
         )
 
 
-class SnapshotCopy(struct.PyTreeNode):
+class SnapshotCopy(HostInput):
     """One copy between a sequence slot and a prefix-cache snapshot slot (either way)."""
 
     slot: Array  # [] the sequence slot

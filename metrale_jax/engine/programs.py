@@ -1,15 +1,18 @@
 """Compiled step programs: each transition compiled once per (static config, shape bucket).
 
 Owns: `ProgramCache` — ahead-of-time compilation of the engine's transitions with the pool
-donated, the count of compilations (the zero-recompile tests read it) and the seconds they took,
-and the disclosure of what a forward compiled: a digest of each program's optimized HLO (its
-computation, without the source locations XLA records), its kernel launches, its copies of whole
-pool leaves and its materialisations of a layer's weights (neither of which a step that updates
-the pool in place and reads its weights in place makes).
+donated and the host inputs packed into one int32 vector per call (`HostPacking`,
+`PackedProgram`), the count of compilations (the zero-recompile tests read it) and the seconds
+they took, and the disclosure of what a forward compiled: a digest of each program's optimized
+HLO (its computation, without the source locations XLA records), its kernel launches, its copies
+of whole pool leaves and its materialisations of a layer's weights (neither of which a step that
+updates the pool in place and reads its weights in place makes).
 
 Invariants:
 - A cached program is reused only for the same static part and arguments of identical tree
   structure, shapes and dtypes; AOT programs never retrace, so a hit costs no compilation.
+- A call moves its host inputs (`inputs.HostInput`) to the device as one array; the compiled
+  program rebuilds them with static slices, so their values, shapes and dtypes are the engine's.
 - `compile_transition` is the one way a transition is compiled: the engine's cache and the
   memory planner (`memory/activations.py`) both call it, so the planner analyses the program
   the engine runs.
@@ -21,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import math
 import re
 import time
@@ -28,9 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from kernels_pallas.common import TRITON_CALL
-from metrale_jax.engine.inputs import ModelStatic
+from metrale_jax.engine.inputs import HostInput, ModelStatic
 
 # Ops of an optimized XLA program that launch device work on their own (fusions and library
 # calls); what runs inside a fusion is one launch.
@@ -249,37 +254,123 @@ def _pool_mesh(pool) -> Any:
     return None
 
 
-def _jitted(fn: Callable, static: ModelStatic | None, pool) -> tuple[Any, Any]:
-    """(the transition jitted with the pool donated, the pool's mesh or None). Under a mesh the
-    returned pool — the output, or its last element, as every transition returns it — is
-    constrained to the donated pool's shardings, so the pool keeps its layout and the donation
-    aliases it."""
+@dataclasses.dataclass(frozen=True)
+class HostPacking:
+    """Where a call's host inputs (`inputs.HostInput` arguments) lie in the one int32 vector that
+    carries them to the device: `positions` the argument positions they take, `trees` their tree
+    structures, `leaves` each leaf's (shape, dtype), in the order of the vector. A call's other
+    arguments (the pool, the params, device arrays) pass as they are, the vector after them.
+    NOTE: one host-to-device transfer per call: the compiled call moves each numpy argument on
+    its own, at a fixed cost apiece that a small model's step notices."""
+
+    positions: tuple[int, ...]
+    trees: tuple[Any, ...]
+    leaves: tuple[tuple[tuple[int, ...], Any], ...]
+
+    @classmethod
+    def of(cls, args: tuple) -> HostPacking:
+        positions = tuple(i for i, x in enumerate(args) if isinstance(x, HostInput))
+        flat = [jax.tree_util.tree_flatten(args[i]) for i in positions]
+        leaves = tuple((tuple(x.shape), np.dtype(x.dtype)) for ls, _ in flat for x in ls)
+        return cls(positions, tuple(t for _, t in flat), leaves)
+
+    @property
+    def size(self) -> int:
+        return sum(math.prod(shape) for shape, _ in self.leaves)
+
+    def pack(self, args: tuple) -> tuple:
+        """The call's arguments: the others in order, then the host inputs' vector."""
+        rest = tuple(x for i, x in enumerate(args) if i not in self.positions)
+        if not self.positions:
+            return rest
+        if _is_abstract(args[self.positions[0]]):  # the planner's and the lowering's shape structs
+            return (*rest, jax.ShapeDtypeStruct((self.size,), np.int32))
+        leaves = [np.ravel(x) for i in self.positions for x in jax.tree_util.tree_leaves(args[i])]
+        return (*rest, np.concatenate(leaves, dtype=np.int32))
+
+    def unpack(self, packed: tuple) -> tuple:
+        """Inside the trace: `pack`'s output back to the arguments it came from."""
+        if not self.positions:
+            return packed
+        *rest, vector = packed
+        out, off = [], 0
+        for shape, dtype in self.leaves:
+            n = math.prod(shape)
+            x = vector[off : off + n].reshape(shape)
+            out.append(x != 0 if dtype == np.bool_ else x)
+            off += n
+        inputs, k = [], 0
+        for tree in self.trees:
+            inputs.append(jax.tree_util.tree_unflatten(tree, out[k : k + tree.num_leaves]))
+            k += tree.num_leaves
+        host, others = iter(inputs), iter(rest)
+        return tuple(next(host) if i in self.positions else next(others) for i in range(len(rest) + len(inputs)))
+
+
+def _is_abstract(tree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree))
+
+
+class PackedProgram:
+    """A compiled transition that takes its arguments as the engine passes them: a call packs the
+    host inputs (`HostPacking.pack`) and runs the compiled program; everything else (`as_text`,
+    `memory_analysis`, ...) is the compiled program's."""
+
+    def __init__(self, compiled: Any, packing: HostPacking):
+        self.compiled = compiled
+        self.packing = packing
+
+    def __call__(self, *args):
+        return self.compiled(*self.packing.pack(args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+
+def _jitted(fn: Callable, static: ModelStatic | None, args: tuple) -> tuple[Any, Any, HostPacking]:
+    """(the transition jitted with the pool donated and its host inputs packed (`HostPacking`),
+    the pool's mesh or None, the packing). Under a mesh the returned pool — the output, or its
+    last element, as every transition returns it — is constrained to the donated pool's
+    shardings, so the pool keeps its layout and the donation aliases it."""
     call = fn if static is None else functools.partial(fn, static=static)
-    mesh = _pool_mesh(pool)
-    if mesh is None:
-        return jax.jit(call, donate_argnums=(0,)), None
-    keep = functools.partial(
-        jax.lax.with_sharding_constraint, shardings=jax.tree_util.tree_map(lambda x: x.sharding, pool)
+    packing = HostPacking.of(args)
+    mesh = _pool_mesh(args[0])
+    keep = (
+        (lambda pool: pool)
+        if mesh is None
+        else functools.partial(
+            jax.lax.with_sharding_constraint, shardings=jax.tree_util.tree_map(lambda x: x.sharding, args[0])
+        )
     )
 
-    def sharded(*a):
-        out = call(*a)
+    def packed(*a):
+        out = call(*packing.unpack(a))
         return (*out[:-1], keep(out[-1])) if isinstance(out, tuple) else keep(out)
 
-    return jax.jit(sharded, donate_argnums=(0,)), mesh
+    # NOTE: the packed program keeps the transition's name and argument names (`params`, ...): XLA
+    # records them in each op's metadata, where `count_param_copies` finds the weights.
+    names = [n for i, n in enumerate(list(inspect.signature(fn).parameters)[: len(args)]) if i not in packing.positions]
+    names += ["host_inputs"] if packing.positions else []
+    packed.__signature__ = inspect.Signature(  # type: ignore[attr-defined]  # read by jax for the names
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
+    )
+    packed.__name__ = packed.__qualname__ = getattr(fn, "__name__", packed.__name__)  # the program's name in XLA
+    return jax.jit(packed, donate_argnums=(0,)), mesh, packing
 
 
 def compile_transition(
     fn: Callable, static: ModelStatic | None, args: tuple, options: dict[str, Any] | None = None
-) -> Any:
+) -> PackedProgram:
     """`fn(*args, static=static)` (`fn(*args)` when static is None) compiled ahead of time for
-    `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated. Under a mesh (the
-    pool's leaves carry NamedShardings) it is traced under it (`jax.set_mesh`: the model reads the
-    tensor groups and the expert devices from it) and keeps the pool's shardings (`_jitted`).
-    `options`: XLA compiler options (None: the defaults the engine runs with)."""
-    jitted, mesh = _jitted(fn, static, args[0])
+    `args` (arrays or `jax.ShapeDtypeStruct`s), with args[0], the pool, donated, and the host
+    inputs moved as one vector (`HostPacking`; the returned program takes `args` as they are).
+    Under a mesh (the pool's leaves carry NamedShardings) it is traced under it (`jax.set_mesh`:
+    the model reads the tensor groups and the expert devices from it) and keeps the pool's
+    shardings (`_jitted`). `options`: XLA compiler options (None: the defaults the engine runs with)."""
+    jitted, mesh, packing = _jitted(fn, static, args)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        return jitted.lower(*args).compile(compiler_options=options)
+        compiled = jitted.lower(*packing.pack(args)).compile(compiler_options=options)
+    return PackedProgram(compiled, packing)
 
 
 def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, platform: str) -> Any:
@@ -287,10 +378,10 @@ def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, pla
     devices: `args` are shape structs sharded over an `AbstractMesh` (or unsharded). Lowering only;
     the `pallas` forward's Triton calls are allowed (they have no stability guarantee, which an
     export for lowering checks does not need)."""
-    jitted, mesh = _jitted(fn, static, args[0])
+    jitted, mesh, packing = _jitted(fn, static, args)
     triton = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
     with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh):
-        return jax.export.export(jitted, platforms=[platform], disabled_checks=triton)(*args)
+        return jax.export.export(jitted, platforms=[platform], disabled_checks=triton)(*packing.pack(args))
 
 
 class ProgramCache:
