@@ -16,7 +16,7 @@ Every timing includes the host copy of the logits (`np.asarray`), hence the devi
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -158,14 +158,17 @@ class DeviceStep:
         """Stop capturing (the engine's own `run` again)."""
         self.engine.programs.run = self._orig  # type: ignore[method-assign]  # undoes the wrapper
 
-    def time(self, iters: int) -> float:
+    def time(self, iters: int, program: Callable | None = None) -> float:
+        """Median seconds of `iters` runs after one; `program(pool, *arguments)`: another compilation of
+        the captured program (e.g. traced) run instead of the engine's."""
         if self.captured is None:
             raise RuntimeError(f"no {self.name} call captured yet")
         name, fn, static, rest = self.captured
+        run = program or (lambda pool, *a: self._orig(name, fn, static, pool, *a))
         times = []
         for _ in range(iters + 1):
             t0 = time.perf_counter()
-            out = self._orig(name, fn, static, self.engine.pool, *rest)
+            out = run(self.engine.pool, *rest)
             self.engine.pool = out if isinstance(out, EnginePool) else out[-1]  # a verdict returns the pool alone
             jax.block_until_ready(out)
             times.append(time.perf_counter() - t0)

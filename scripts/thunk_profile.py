@@ -21,7 +21,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,7 +34,6 @@ sys.path.insert(0, os.getcwd())
 from step_times import captured_step  # noqa: E402  (this script's folder)
 
 from benchmarks import models  # noqa: E402
-from metrale_jax.engine.pool import EnginePool  # noqa: E402
 from metrale_jax.engine.programs import compile_transition  # noqa: E402
 
 TRACEME = {"xla_cpu_enable_xprof_traceme": True}
@@ -60,19 +58,6 @@ def instructions(hlo_text: str) -> dict[str, str]:
             op = _OP_NAME_RE.search(line)
             out[m.group(1)] = f"{result} {opcode.group(1)} {op.group(1) if op else ''}"
     return out
-
-
-def run_timed(prog, pool: EnginePool, rest: tuple, iters: int) -> tuple[float, EnginePool]:
-    """Median seconds of `iters` runs of `prog` (pool fed back, every output waited for), as `DeviceStep.time`
-    runs the engine's own program; here for the traced program, which the engine's cache does not hold."""
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = prog(pool, *rest)
-        pool = out[-1]
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), pool
 
 
 def thunk_totals(trace_dir: Path) -> dict[str, float]:
@@ -108,15 +93,14 @@ def main(model: str, step: str, top: int, iters: int) -> None:
     dev.time(5)
     untraced = dev.time(iters)  # the engine's own compiled program
     _, fn, static, rest = dev.captured
-    pool = dev.engine.pool
-    traced = compile_transition(fn, static, (pool, *rest), TRACEME)
+    traced = compile_transition(fn, static, (dev.engine.pool, *rest), TRACEME)
     ops = instructions(traced.as_text())
-    _, pool = run_timed(traced, pool, rest, 5)
+    dev.time(5, traced)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            traced_s, pool = run_timed(traced, pool, rest, iters)
+            traced_s = dev.time(iters, traced)  # iters + 1 runs
         totals = thunk_totals(Path(tmp))
-    per_run = {name: us / iters for name, us in totals.items() if name in ops}
+    per_run = {name: us / (iters + 1) for name, us in totals.items() if name in ops}
     times = f"{untraced * 1e3:.3f} ms untraced, {traced_s * 1e3:.3f} ms traced (median of {iters})"
     print(f"{model} {kind} n={n} K={k}: {times}")
     print(f"  top-level ops: {len(ops)}, traced time {sum(per_run.values()) / 1e3:.3f} ms per run")

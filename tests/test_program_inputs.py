@@ -210,7 +210,7 @@ def test_the_transition_refuses_a_batch_of_the_wrong_shape(served):
 def test_host_inputs_travel_as_one_int32_vector(served):
     """`HostPacking` moves every host input of a call as one int32 vector and rebuilds each leaf
     inside the trace: same tree, shapes, dtypes and values (the bool fields included); the other
-    arguments pass as they are."""
+    arguments pass as they are, and the program is lowered on the vector's shape struct."""
     eng, _, _ = served
     c, mbd = eng.counts, eng.draft_width
     step = StepBatch.padded(c, mbd, 2, 3, verify=True)
@@ -233,6 +233,5 @@ def test_host_inputs_travel_as_one_int32_vector(served):
     for got in ([unpacked[i] for i in packing.positions], traced):
         for g, want in zip(got, (step, propose, verdict)):
             chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, g), want, strict=True)
-    assert packing.pack((device, abstract(step), 7, abstract(propose), abstract(verdict)))[-1] == (
-        jax.ShapeDtypeStruct((packing.size,), np.int32)
-    )
+    lowered_on = packing.lowering_args((device, abstract(step), 7, abstract(propose), abstract(verdict)))
+    assert lowered_on == (device, 7, jax.ShapeDtypeStruct((packing.size,), np.int32))

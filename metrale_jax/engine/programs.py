@@ -278,15 +278,21 @@ class HostPacking:
     def size(self) -> int:
         return sum(math.prod(shape) for shape, _ in self.leaves)
 
+    def _others(self, args: tuple) -> tuple:
+        return tuple(x for i, x in enumerate(args) if i not in self.positions)
+
     def pack(self, args: tuple) -> tuple:
-        """The call's arguments: the others in order, then the host inputs' vector."""
-        rest = tuple(x for i, x in enumerate(args) if i not in self.positions)
+        """A call's arguments: the others in order, then the host inputs' vector."""
         if not self.positions:
-            return rest
-        if _is_abstract(args[self.positions[0]]):  # the planner's and the lowering's shape structs
-            return (*rest, jax.ShapeDtypeStruct((self.size,), np.int32))
+            return args
         leaves = [np.ravel(x) for i in self.positions for x in jax.tree_util.tree_leaves(args[i])]
-        return (*rest, np.concatenate(leaves, dtype=np.int32))
+        return (*self._others(args), np.concatenate(leaves, dtype=np.int32))
+
+    def lowering_args(self, args: tuple) -> tuple:
+        """What the packed program is lowered on: the others in order (arrays or shape structs),
+        then the vector's shape struct."""
+        vector = (jax.ShapeDtypeStruct((self.size,), np.int32),) if self.positions else ()
+        return (*self._others(args), *vector)
 
     def unpack(self, packed: tuple) -> tuple:
         """Inside the trace: `pack`'s output back to the arguments it came from."""
@@ -305,10 +311,6 @@ class HostPacking:
             k += tree.num_leaves
         host, others = iter(inputs), iter(rest)
         return tuple(next(host) if i in self.positions else next(others) for i in range(len(rest) + len(inputs)))
-
-
-def _is_abstract(tree) -> bool:
-    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree))
 
 
 class PackedProgram:
@@ -369,7 +371,7 @@ def compile_transition(
     shardings (`_jitted`). `options`: XLA compiler options (None: the defaults the engine runs with)."""
     jitted, mesh, packing = _jitted(fn, static, args)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        compiled = jitted.lower(*packing.pack(args)).compile(compiler_options=options)
+        compiled = jitted.lower(*packing.lowering_args(args)).compile(compiler_options=options)
     return PackedProgram(compiled, packing)
 
 
@@ -381,7 +383,7 @@ def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, pla
     jitted, mesh, packing = _jitted(fn, static, args)
     triton = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
     with contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh):
-        return jax.export.export(jitted, platforms=[platform], disabled_checks=triton)(*packing.pack(args))
+        return jax.export.export(jitted, platforms=[platform], disabled_checks=triton)(*packing.lowering_args(args))
 
 
 class ProgramCache:
