@@ -1,14 +1,16 @@
 """The single-device CPU engine's weight layouts side by side, in one process: each step's program with the
-projections as the engine holds them (input-major, `linear.backend_layout`) and in the checkpoints' [out, in],
-the two alternated round by round.
+weights as the engine holds them (`backend_layout`: input-major, and one leaf per expert where
+`mlp.expert_leaves_apply`), input-major with the expert stacks kept whole, and in the checkpoints' [out, in],
+alternated round by round.
 
     .venv/bin/python scripts/layout_ab.py [MODEL] [STEP ...]
 
 MODEL: a `benchmarks.models.model` name (default qwen3-next-h512); STEP: kind:n:k, a decode of n sequences
-(k = 1), a verify of n sequences of K = k rows, or a prefill of one sequence of k tokens (default: prefill 128,
+(k = 1), a verify of n sequences of K = k rows, a fused speculative step (a verify of K = k rows, then k - 1
+drafts), or a prefill of one sequence of k tokens (default: prefill 128,
 decode n = 1 and 8, verify K = 4 at n = 1 and 8). Pinned to one core; decode and verify time the compiled
 program alone (`step_times.captured_step`), a prefill the engine call; per layout the least of ROUNDS (3)
-medians of REPS (10) calls.
+medians of REPS (10) calls, and in parentheses its time over the engine's layout's.
 """
 
 import os
@@ -24,10 +26,16 @@ from step_times import captured_step  # noqa: E402  (this script's folder)
 import metrale_jax.engine.engine as engine_module  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.steps import StepBench, max_seq_len_for  # noqa: E402
+from metrale_jax.model.linear import transpose_weights  # noqa: E402
 
-LAYOUTS = {"[in, out]": engine_module.backend_layout, "[out, in]": lambda params, mesh: params}
+ENGINE = "engine's"
+LAYOUTS = {
+    ENGINE: engine_module.backend_layout,
+    "[in, out] stacked": lambda params, cfg, mesh: transpose_weights(params),
+    "[out, in]": lambda params, cfg, mesh: params,
+}
 # How a step's k reads in the report.
-STEP_SIZE = {"prefill": " tokens=", "decode": " K=", "verify": " K="}
+STEP_SIZE = {"prefill": " tokens=", "decode": " K=", "verify": " K=", "fused": " K="}
 DEFAULT_STEPS = ["prefill:1:128", "decode:1:1", "decode:8:1", "verify:1:4", "verify:8:4"]
 
 
@@ -62,17 +70,14 @@ def main() -> None:
             try:
                 timers[layout] = timer(cfg, params, kind, n, k, rng)
             finally:
-                engine_module.backend_layout = LAYOUTS["[in, out]"]
+                engine_module.backend_layout = LAYOUTS[ENGINE]
         best = {layout: float("inf") for layout in LAYOUTS}
         for _ in range(rounds):
             for layout, run in timers.items():
                 best[layout] = min(best[layout], float(np.median([run() for _ in range(reps)])) * 1e3)
-        plain, held = best["[out, in]"], best["[in, out]"]
-        print(
-            f"{name} {kind} n={n}{STEP_SIZE[kind]}{k}: [out, in] {plain:.3f} ms, [in, out] {held:.3f} ms, "
-            f"ratio {plain / held:.2f}",
-            flush=True,
-        )
+        held = best[ENGINE]
+        others = ", ".join(f"{layout} {ms:.3f} ms ({ms / held:.2f})" for layout, ms in best.items() if layout != ENGINE)
+        print(f"{name} {kind} n={n}{STEP_SIZE[kind]}{k}: engine's {held:.3f} ms; {others}", flush=True)
 
 
 if __name__ == "__main__":

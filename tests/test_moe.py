@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.models import config
 from metrale_jax.model import mlp
-from metrale_jax.model.linear import TransposedWeight, transpose_weights
+from metrale_jax.model.linear import ExpertLeaves, TransposedWeight, transpose_weights
 from metrale_jax.params import init_params, moe_router_rows
 from metrale_jax.presets import TINY
 
@@ -22,21 +22,52 @@ def p():
     return init_params(CFG, 3)["layers"][0]["mlp"]
 
 
-@pytest.fixture(scope="module", params=["[out, in]", "[in, out]"])
+LAYOUTS = ("[out, in]", "[in, out]", "[out, in] per expert", "[in, out] per expert")
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
 def laid_out(request, p):
-    """The block's weights in each layout the engine runs: [out, in] leaves, and input-major (the
-    single-device XLA CPU engine's: `linear.transpose_weights`)."""
-    if request.param == "[out, in]":
-        return p
-    transposed = transpose_weights(p)
-    assert isinstance(transposed["gate_up"], TransposedWeight) and isinstance(transposed["down"], TransposedWeight)
-    return transposed
+    """The block's weights in each layout an engine runs: [out, in] leaves, input-major (the
+    single-device XLA CPU engine's: `linear.transpose_weights`), and either with the expert stacks
+    one leaf per expert (`mlp.split_expert_stacks`, where `mlp.expert_leaves_apply`)."""
+    w = transpose_weights(p) if request.param.startswith("[in, out]") else p
+    assert isinstance(w["gate_up"], TransposedWeight) == request.param.startswith("[in, out]")
+    if request.param.endswith("per expert"):
+        w = mlp.split_expert_stacks(w)
+        assert isinstance(w["gate_up"], ExpertLeaves) and len(w["down"].experts) == CFG.num_experts
+        assert w["gate_up"].shape == p["gate_up"].shape and w["down"].dtype == p["down"].dtype
+    return w
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_pairs_per_expert_leaves_are_the_stacked_pairs_bit_for_bit(p, rows):
+    """The `pairs` form over one leaf per expert (a switch reading the expert in place) gives the
+    bytes of the same form over the stack (the expert copied out): the same products."""
+    x = jax.random.normal(jax.random.key(rows), (1, rows, CFG.hidden_size), jnp.float32)
+    for stacked in (p, transpose_weights(p)):
+        np.testing.assert_array_equal(_moe(mlp.split_expert_stacks(stacked), x, "pairs"), _moe(stacked, x, "pairs"))
+
+
+def test_expert_leaves_apply_where_one_row_runs_pairs_and_join_back(p):
+    """Per-expert leaves for the realistic-width models whose one-row step runs `pairs`; not for
+    the small models (`dense` at one row) nor past EXPERT_LEAVES_MAX_EXPERTS (a switch that wide).
+    Joined back, the leaves are the stacks."""
+    wide = config("qwen3-next-h512")
+    assert mlp.expert_leaves_apply(wide) and mlp.expert_leaves_apply(config("qwen35-moe-h1024"))
+    assert not mlp.expert_leaves_apply(CFG) and mlp.moe_form(1, CFG) == "dense"
+    assert not mlp.expert_leaves_apply(wide.replace(num_experts=2 * mlp.EXPERT_LEAVES_MAX_EXPERTS))
+    for stacked in (p, transpose_weights(p)):
+        tree = {"layers": [{"mlp": stacked}, {"mlp": {"gate_up": stacked["shared_gate_up"]}}]}
+        back = mlp.join_expert_stacks(mlp.split_expert_stacks(tree))
+        assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
+        for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tree)):
+            np.testing.assert_array_equal(a, b)
 
 
 def _moe(p, x, form):
     """`mlp.moe` with its form forced (traced here: the form is read at trace time)."""
     real = mlp.moe_form
-    mlp.moe_form = lambda rows, cfg: form
+    mlp.moe_form = lambda rows, cfg, expert_leaves=False: form
     try:
         return np.asarray(jax.jit(lambda p, x: mlp.moe(p, x, CFG))(p, x))
     finally:
@@ -98,7 +129,8 @@ def test_rows_are_isolated_nan_included(laid_out, form):
 
 
 def test_form_follows_the_row_count():
-    """At qwen3-next-h512's widths: pairs while rows x top_k <= E, grouped from
+    """At qwen3-next-h512's widths: pairs while rows x top_k <= E (LEAVES_PAIRS_PER_EXPERT x E over
+    expert leaves), grouped from
     GROUPED_MIN_PAIRS_PER_EXPERT pairs per expert (or with more than DENSE_MAX_EXPERTS experts),
     dense in between; dense whenever every expert on every row is small (the tiny preset's decode
     and verify steps). The grouped capacity covers the average load."""
@@ -107,6 +139,9 @@ def test_form_follows_the_row_count():
     first_grouped = mlp.GROUPED_MIN_PAIRS_PER_EXPERT * e // k
     rows = (1, e // k, e // k + 1, first_grouped - 1, first_grouped)
     assert [mlp.moe_form(r, wide) for r in rows] == ["pairs", "pairs", "dense", "dense", "grouped"]
+    most_pairs = mlp.LEAVES_PAIRS_PER_EXPERT * e // k  # over expert leaves
+    rows = (1, most_pairs, most_pairs + 1, first_grouped)
+    assert [mlp.moe_form(r, wide, expert_leaves=True) for r in rows] == ["pairs", "pairs", "dense", "grouped"]
     many = wide.replace(num_experts=4 * mlp.DENSE_MAX_EXPERTS)
     assert [mlp.moe_form(r, many) for r in (many.num_experts // k, many.num_experts // k + 1)] == ["pairs", "grouped"]
     per_row = CFG.num_experts * 3 * CFG.moe_intermediate_size * CFG.hidden_size

@@ -11,6 +11,11 @@ import pytest
 from benchmarks.models import model, settings
 from metrale_jax.engine.engine import Engine
 from metrale_jax.model import linear as lin
+from metrale_jax.model import mlp
+from metrale_jax.model.backend_layout import checkpoint_layout
+from metrale_jax.model.layout import arrange_layers, layer_groups
+from metrale_jax.params import init_params
+from metrale_jax.presets import TINY
 
 RNG = np.random.default_rng(0)
 
@@ -83,3 +88,36 @@ def test_the_cpu_engine_holds_its_projections_input_major_and_reshards_them_in_c
     back = lin.untranspose_weights(eng.params)
     for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["list", "scan"])
+def test_the_cpu_engine_holds_experts_one_leaf_each_where_one_row_runs_pairs(monkeypatch, layout):
+    """A model whose one-row MoE step runs `pairs` (`mlp.expert_leaves_apply`): the engine holds each
+    expert stack one leaf per expert, hands the stacks back in checkpoint order, and computes what an
+    engine holding the stacks computes: prefill logits within float32 rounding (`dense` / `grouped`
+    run expert by expert instead of batched over the experts), then decodes the same tokens."""
+    cfg = TINY.replace(
+        num_hidden_layers=4, layer_types=TINY.layer_types[:2] * 2, mlp_only_layers=(), moe_intermediate_size=1408
+    )
+    assert mlp.expert_leaves_apply(cfg) and layer_groups(cfg) == 2
+    params = init_params(cfg, 1)
+    flags = settings(max_batch_size=1, max_seq_len=64)
+    eng = Engine(cfg, params, flags, layout=layout)
+    blocks = eng.params["layers"] if layout == "list" else eng.params["layer_groups"]
+    moe_blocks = [b["mlp"] for b in blocks]
+    assert all(isinstance(b[k], lin.ExpertLeaves) for b in moe_blocks for k in ("gate_up", "down"))
+    arranged = jax.tree_util.tree_leaves(arrange_layers(params, cfg, layout))
+    for a, b in zip(jax.tree_util.tree_leaves(checkpoint_layout(eng.params)), arranged, strict=True):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr("metrale_jax.model.backend_layout.expert_leaves_apply", lambda cfg: False)
+    stacked = Engine(cfg, params, flags, layout=layout)
+    prompt = RNG.integers(0, cfg.vocab_size, 24).tolist()
+    outs = []
+    for e in (eng, stacked):
+        seq = e.alloc_sequence()
+        logits = [e.prefill(seq, prompt)]
+        for _ in range(4):
+            logits.append(e.decode(seq, int(np.argmax(logits[-1]))))
+        outs.append(np.stack(logits))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=1e-5 * np.abs(outs[1]).max())
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).all()

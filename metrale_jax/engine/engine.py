@@ -71,8 +71,8 @@ from metrale_jax.engine.sharding import (
     shard_params,
     unshard_params,
 )
+from metrale_jax.model.backend_layout import backend_layout, checkpoint_layout
 from metrale_jax.model.layout import arrange_layers
-from metrale_jax.model.linear import backend_layout, untranspose_weights
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
 #: The prefix-cache namespace of a serve's sequences (`Engine.default_namespace`).
@@ -115,9 +115,9 @@ class SpeculativeOutput:
 
 
 def _place_params(params, cfg: ModelConfig, mesh: Mesh | None):
-    """The engine's weights: sharded over `mesh`, or on the default device, input-major where that
-    layout applies (`linear.transposed_layout_applies`: XLA CPU without a mesh)."""
-    return backend_layout(params, mesh) if mesh is None else shard_params(params, cfg, mesh)
+    """The engine's weights: sharded over `mesh`, or on the default device in this backend's layout
+    (`backend_layout`: on XLA CPU input-major, experts one leaf each where that applies)."""
+    return backend_layout(params, cfg, mesh) if mesh is None else shard_params(params, cfg, mesh)
 
 
 class Engine:
@@ -184,7 +184,7 @@ class Engine:
         Refused (EngineError) while a verify awaits its verdict."""
         if self._verified:
             raise EngineError("set_mesh with a verify awaiting its verdict")
-        params = unshard_params(untranspose_weights(self.params), self.cfg, self.mesh)
+        params = unshard_params(checkpoint_layout(self.params), self.cfg, self.mesh)
         pool = canonical_pool(self.pool, self.cfg, self.mesh)
         self.params = _place_params(params, self.cfg, mesh)
         self.pool = place_pool(pool, self.cfg, mesh)

@@ -97,8 +97,8 @@ from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
 from metrale_jax.memory.errors import PlanError
+from metrale_jax.model.backend_layout import backend_layout
 from metrale_jax.model.layout import arrange_layers, layer_groups, truncate_groups
-from metrale_jax.model.linear import backend_layout
 from metrale_jax.params import init_params
 
 #: The environment variable naming the cache directory (default `$XDG_CACHE_HOME` or
@@ -415,7 +415,7 @@ class ActivationModel:
         pool = abstract_pool(cfg, counts, settings, dtype=dtype, mesh=mesh)
         params = self.params(cfg)
         if mesh is None:
-            params = jax.eval_shape(backend_layout, params, None)
+            params = jax.eval_shape(lambda p: backend_layout(p, cfg, None), params)
         else:
             params = jax.tree_util.tree_map(
                 lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -3,7 +3,8 @@
 Owns: `linear`, the x @ W.T every projection of the model uses (weights stored [out, in], as in
 the checkpoints, or input-major as a `TransposedWeight`), `linear_per_expert` and
 `linear_all_experts` (the same over an [E, out, in] expert stack), the input-major layout
-(`TransposedWeight`, `transpose_weights`, `untranspose_weights`, `expert_weight`), and
+(`TransposedWeight`, `transpose_weights`, `untranspose_weights`, `expert_weight`), expert stacks
+held one leaf per expert (`ExpertLeaves`, `with_expert`), and
 `linear_parts`, one product with a row-stacked weight split into its parts;
 the mesh axis names and `tensor_groups`, the number of shards of the tensor axis a traced program
 runs under (1 without a mesh).
@@ -15,6 +16,8 @@ every part; `split_groups` splits such a feature axis, and with N = 1 it is the 
 """
 
 from __future__ import annotations
+
+import functools
 
 import chex
 import jax
@@ -87,6 +90,43 @@ class TransposedWeight:
         return jnp.swapaxes(self.t, -1, -2)
 
 
+@struct.dataclass
+class ExpertLeaves:
+    """An expert stack w [..., E, out, in] held as one leaf per expert: experts[e] is w[..., e, :, :]
+    (an array, or a `TransposedWeight` where the stack was input-major).
+
+    NOTE: on XLA CPU a product's operand is a buffer of its own, so a product with one expert
+    indexed out of a stack (the `pairs` MoE form's dynamic index) first copies that expert out.
+    With a leaf per expert, `with_expert` picks the expert with a `lax.switch` whose branch reads
+    its leaf in place."""
+
+    experts: tuple
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The stack's shape [..., E, out, in]."""
+        one = self.experts[0].shape
+        return (*one[:-2], len(self.experts), *one[-2:])
+
+    @property
+    def dtype(self):
+        return self.experts[0].dtype
+
+    @classmethod
+    def of(cls, w) -> ExpertLeaves:
+        """The stack w (an array or a `TransposedWeight`, experts on axis -3) split per expert (a
+        copy, once, outside any step program)."""
+        if isinstance(w, TransposedWeight):
+            return cls(tuple(TransposedWeight(w.t[..., e, :, :]) for e in range(w.t.shape[-3])))
+        return cls(tuple(w[..., e, :, :] for e in range(w.shape[-3])))
+
+    def stack(self):
+        """The [..., E, out, in] stack in the layout of its leaves (`of`'s inverse)."""
+        if isinstance(self.experts[0], TransposedWeight):
+            return TransposedWeight(jnp.stack([w.t for w in self.experts], axis=-3))
+        return jnp.stack(self.experts, axis=-3)
+
+
 def _transposable(path, leaf) -> bool:
     key = getattr(path[-1], "key", None)
     return key in TRANSPOSED_LEAVES and leaf.ndim >= 2 and leaf.dtype == jnp.float32
@@ -115,18 +155,21 @@ def transposed_layout_applies(mesh) -> bool:
     return mesh is None and jax.default_backend() == "cpu"
 
 
-def backend_layout(params, mesh):
-    """The unsharded parameter tree as an engine on this backend holds it under `mesh`: input-major
-    where `transposed_layout_applies`, else unchanged (arrays, or shape structs inside
-    `jax.eval_shape`: the planner lays out its abstract weights with the same call)."""
-    return transpose_weights(params) if transposed_layout_applies(mesh) else params
-
-
 def expert_weight(w, e):
     """Expert e's [out, in] weight of an [E, out, in] stack in either layout (a dynamic index)."""
     if isinstance(w, TransposedWeight):
         return TransposedWeight(jax.lax.dynamic_index_in_dim(w.t, e, keepdims=False))
     return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+
+def with_expert(e, fn, stacks, *args):
+    """fn(*(expert e's weight of each stack), *args) for a traced expert index e: a `lax.switch`
+    whose branch reads its experts' own leaves in place when the stacks are `ExpertLeaves`, else
+    the weights indexed out of the stacks (`expert_weight`)."""
+    if isinstance(stacks[0], ExpertLeaves):
+        branches = [functools.partial(fn, *weights) for weights in zip(*(s.experts for s in stacks))]
+        return jax.lax.switch(e, branches, *args)
+    return fn(*(expert_weight(s, e) for s in stacks), *args)
 
 
 def linear(x, w):
@@ -139,6 +182,8 @@ def linear(x, w):
 def linear_per_expert(x, w):
     """x [E, C, in] @ w[E, out, in].T per expert -> [E, C, out]: `linear` batched over the expert
     axis (each expert's C rows against its own weight)."""
+    if isinstance(w, ExpertLeaves):
+        return jnp.stack([linear(x[e], we) for e, we in enumerate(w.experts)])
     if isinstance(w, TransposedWeight):
         return jnp.einsum("eci,eio->eco", x, w.t)
     return jnp.einsum("eci,eoi->eco", x, w)
@@ -149,6 +194,8 @@ def linear_all_experts(x, w):
     NOTE: an [E, out, in] stack is one [E * out, in] projection (a reshape); an input-major stack
     is not, and a contraction over it with the experts as free dimensions makes XLA CPU copy the
     weight into another layout: it runs batched over the experts instead, the rows broadcast."""
+    if isinstance(w, ExpertLeaves):
+        return jnp.stack([linear(x, we) for we in w.experts], axis=-2)
     if isinstance(w, TransposedWeight):
         e = w.t.shape[0]
         return jnp.swapaxes(linear_per_expert(jnp.broadcast_to(x, (e, *x.shape)), w), 0, 1)

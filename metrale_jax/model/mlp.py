@@ -1,7 +1,8 @@
 """Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block with a gated shared expert.
 
-Owns: `moe_form` (which of the MoE's three forms a step of a given row count runs) and the three
-forms of the routed experts.
+Owns: `moe_form` (which of the MoE's three forms a step of a given row count runs), the three
+forms of the routed experts, and which models hold their expert stacks one leaf per expert
+(`expert_leaves_apply`, `split_expert_stacks`, `join_expert_stacks`).
 
 Invariants:
 - The router softmax is float32; top-k weights are renormalised when the config says so (always
@@ -16,13 +17,15 @@ Invariants:
 - Under a mesh the experts are split over every device (`EXPERT_AXES`); each device runs its own
   and the routed outputs are summed over the devices (the only change: that sum's order).
 - No form materialises a layer's expert weights: `dense` and `grouped` contract the whole
-  [E, ...] leaves in place (batched over experts); `pairs` copies out the one selected expert
-  each loop step runs (on XLA CPU a product's operand is a buffer of its own, so a slice that
-  feeds one is materialised): rows x top_k experts per step, one at a time.
+  [E, ...] leaves in place (batched over experts, or expert by expert over `ExpertLeaves`);
+  `pairs` runs the one selected expert of each loop step, reading its leaf in place through a
+  `lax.switch` over `ExpertLeaves`, or copying it out of an [E, ...] stack (on XLA CPU a product's
+  operand is a buffer of its own, so a slice that feeds one is materialised).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -34,12 +37,13 @@ from kernels_pallas.reductions import ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
 from metrale_jax.model.linear import (
     EXPERT_AXES,
-    expert_weight,
+    ExpertLeaves,
     linear,
     linear_all_experts,
     linear_parts,
     linear_per_expert,
     mesh_devices,
+    with_expert,
 )
 from metrale_jax.params import dense_in_rows, moe_router_rows, shared_in_rows
 
@@ -54,6 +58,13 @@ GROUPED_MIN_PAIRS_PER_EXPERT = 8
 DENSE_MAX_EXPERTS = 64
 # `grouped`'s rows per expert and round: the average plus this many of its binomial standard deviations.
 GROUPED_CAPACITY_SIGMAS = 3
+# Over expert leaves `pairs` runs while the step has at most this many (row, expert) pairs per expert:
+# a loop step reads its expert in place, and an expert a step selects again is read from cache, so
+# the pairs stay cheaper than every expert's product of all rows until the experts are this loaded.
+LEAVES_PAIRS_PER_EXPERT = 4
+# Expert stacks held one leaf per expert only up to this many experts: `pairs` then compiles a
+# switch of E branches, `dense` and `grouped` E products each.
+EXPERT_LEAVES_MAX_EXPERTS = 64
 
 
 def swiglu(gate, up, down):
@@ -67,14 +78,15 @@ def dense_mlp(p, x, cfg: ModelConfig):
     return swiglu(gate, up, p["down"])
 
 
-def moe_form(rows: int, cfg: ModelConfig) -> MoeForm:
-    """The form `moe` runs for a step of `rows` rows:
+def moe_form(rows: int, cfg: ModelConfig, expert_leaves: bool = False) -> MoeForm:
+    """The form `moe` runs for a step of `rows` rows, over expert stacks held as arrays or, with
+    `expert_leaves`, one leaf per expert (`ExpertLeaves`):
     - `dense` when every expert on every row is at most `DENSE_MAX_MACS` multiply-adds: every
       expert on every row, weighted by the row's routing weight (0 when not selected), reading
       each weight once (cost grows with E, not top_k);
-    - `pairs` when rows x top_k <= E (the step cannot touch more experts than there are): one
-      (row, slot) pair at a time, reading only the selected experts (cost and traffic grow with
-      rows x top_k);
+    - `pairs` when rows x top_k <= E (the step cannot touch more experts than there are), or
+      <= `LEAVES_PAIRS_PER_EXPERT` x E over expert leaves: one (row, slot) pair at a time, reading
+      only the selected experts (cost and traffic grow with rows x top_k);
     - `grouped` when the experts get `GROUPED_MIN_PAIRS_PER_EXPERT` pairs each on average, or
       there are more than `DENSE_MAX_EXPERTS`: rows sorted by expert and run as matmuls batched
       over the experts, `grouped_capacity` rows per expert and round (cost grows with the
@@ -84,7 +96,7 @@ def moe_form(rows: int, cfg: ModelConfig) -> MoeForm:
     e, pairs = cfg.num_experts, rows * cfg.num_experts_per_tok
     if rows * e * 3 * cfg.moe_intermediate_size * cfg.hidden_size <= DENSE_MAX_MACS:
         return "dense"
-    if pairs <= e:
+    if pairs <= e * (LEAVES_PAIRS_PER_EXPERT if expert_leaves else 1):
         return "pairs"
     if pairs >= GROUPED_MIN_PAIRS_PER_EXPERT * e or e > DENSE_MAX_EXPERTS:
         return "grouped"
@@ -114,17 +126,30 @@ def _dense(x, top_i, top_w, gate_up, down, inter: int):
     return ordered_sum(y * combine.T[..., None], axis=0)
 
 
+def _expert(gate_up, down, x, inter: int):
+    """One expert's SwiGLU: x [..., Hd] with gate_up [2I, Hd], down [Hd, I] -> [..., Hd]."""
+    return linear(_act(linear(x, gate_up), inter), down)
+
+
+def _each_expert(xs, gate_up, down, inter: int):
+    """Expert e's SwiGLU on its own rows xs[e]: xs [E, C, Hd] -> [E, C, Hd]; batched over the
+    experts of a stack, expert by expert (one stack of the outputs) over `ExpertLeaves`."""
+    if isinstance(gate_up, ExpertLeaves):
+        return jnp.stack([_expert(g, d, xs[e], inter) for e, (g, d) in enumerate(zip(gate_up.experts, down.experts))])
+    return linear_per_expert(_act(linear_per_expert(xs, gate_up), inter), down)
+
+
 def _pairs(x, top_i, top_w, gate_up, down, inter: int):
-    """One (row, slot) pair per loop step, slots in expert order: each step slices out the one
-    expert it runs (the scratch holds one expert's weights). x [R, Hd] -> [R, Hd]."""
+    """One (row, slot) pair per loop step, slots in expert order: each step runs the one expert it
+    selects (`linear.with_expert`: its own leaves, or the expert copied out of the stacks; the
+    scratch then holds one expert's weights). x [R, Hd] -> [R, Hd]."""
     k = top_i.shape[-1]
+    run = functools.partial(_expert, inter=inter)
 
     def pair(p, acc):
         r, s = p // k, p % k
-        e = top_i[r, s]
         xr = jax.lax.dynamic_index_in_dim(x, r, keepdims=False)
-        gu = linear(xr, expert_weight(gate_up, e))
-        y = linear(_act(gu, inter), expert_weight(down, e))
+        y = with_expert(top_i[r, s], run, (gate_up, down), xr)
         return acc.at[r].add(y * top_w[r, s])
 
     return jax.lax.fori_loop(0, top_i.size, pair, jnp.zeros_like(x))
@@ -155,8 +180,7 @@ def _grouped(x, top_i, top_w, gate_up, down, inter: int, capacity: int):
         valid = rank[None, :] < counts[:, None]  # [E, C]
         pair = order[jnp.where(valid, starts[:, None] + rank[None, :], 0)]
         xs = jnp.where(valid[..., None], x[pair // k], 0)  # [E, C, Hd]
-        gu = linear_per_expert(xs, gate_up)
-        y = linear_per_expert(_act(gu, inter), down)
+        y = _each_expert(xs, gate_up, down, inter)
         out = out.at[jnp.where(valid, pair, n * k).reshape(-1)].set(y.reshape(-1, hd), mode="drop")
         return j + 1, out
 
@@ -190,6 +214,38 @@ def _on_local_experts(run, n: int, x, top_i, top_w, gate_up, down):
     )
 
 
+def expert_leaves_apply(cfg: ModelConfig) -> bool:
+    """Whether an engine holds cfg's expert stacks one leaf per expert where its layout allows
+    (`backend_layout`): when a one-row step runs the `pairs` form (whose every loop step would
+    otherwise copy its expert out of the stack) and there are at most `EXPERT_LEAVES_MAX_EXPERTS`."""
+    return cfg.num_experts > 0 and cfg.num_experts <= EXPERT_LEAVES_MAX_EXPERTS and moe_form(1, cfg) == "pairs"
+
+
+def _map_moe_blocks(tree, fn):
+    """tree with every MoE block (a dict holding a `router`) replaced by fn(block)."""
+    if isinstance(tree, dict):
+        return fn(tree) if "router" in tree else {k: _map_moe_blocks(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_moe_blocks(v, fn) for v in tree)
+    return tree
+
+
+def split_expert_stacks(params):
+    """params with every MoE block's `gate_up` and `down` stacks as `ExpertLeaves`."""
+    return _map_moe_blocks(
+        params, lambda b: {**b, "gate_up": ExpertLeaves.of(b["gate_up"]), "down": ExpertLeaves.of(b["down"])}
+    )
+
+
+def join_expert_stacks(params):
+    """`split_expert_stacks`' inverse (blocks already stacked are left as they are)."""
+
+    def join(b):
+        return {k: v.stack() if isinstance(v, ExpertLeaves) else v for k, v in b.items()}
+
+    return _map_moe_blocks(params, join)
+
+
 def top_k(probs, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k` of the router's probabilities [..., E] (values and int32 indices [..., k],
     largest first, the lower index first among equal values), as a stable sort.
@@ -219,7 +275,7 @@ def moe(p, x, cfg: ModelConfig):
         top_w = top_w / pairwise_sum(top_w)[..., None]
     hd = x.shape[-1]
     rows = x.size // hd
-    form = moe_form(rows, cfg)
+    form = moe_form(rows, cfg, isinstance(p["gate_up"], ExpertLeaves))
     top_i, top_w = top_i.reshape(rows, -1), top_w.astype(x.dtype).reshape(rows, -1)
     if form != "dense":  # the slots in expert order, the order `dense` sums the experts in
         top_i, top_w = jax.lax.sort((top_i, top_w), num_keys=1)
