@@ -222,9 +222,9 @@ def expert_leaves_apply(cfg: ModelConfig) -> bool:
 
 
 def _map_moe_blocks(tree, fn):
-    """tree with every MoE block (a dict holding a `router`) replaced by fn(block)."""
+    """tree with every MoE block (`is_moe_block`) replaced by fn(block)."""
     if isinstance(tree, dict):
-        return fn(tree) if "router" in tree else {k: _map_moe_blocks(v, fn) for k, v in tree.items()}
+        return fn(tree) if is_moe_block(tree) else {k: _map_moe_blocks(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_map_moe_blocks(v, fn) for v in tree)
     return tree
@@ -296,6 +296,11 @@ def moe(p, x, cfg: ModelConfig):
     return routed.reshape(x.shape) + shared
 
 
+def is_moe_block(p) -> bool:
+    """Whether a layer's feed-forward params are an MoE block (they carry a shared expert)."""
+    return "shared_down" in p
+
+
 def ffn(p, x, cfg: ModelConfig):
-    """The layer's feed-forward: MoE when its params carry a shared expert, else the dense MLP."""
-    return moe(p, x, cfg) if "shared_down" in p else dense_mlp(p, x, cfg)
+    """The layer's feed-forward: MoE when its params are an MoE block, else the dense MLP."""
+    return moe(p, x, cfg) if is_moe_block(p) else dense_mlp(p, x, cfg)
