@@ -108,6 +108,7 @@ def plan(
         else {
             "compiled": model.compiled,
             "compile_seconds": round(model.compile_seconds, 3),
+            "compile_wall_seconds": round(model.compile_wall_seconds, 3),
             "cache_hits": model.cache_hits,
             "cache_dir": str(model.cache_dir),
         },

@@ -97,11 +97,14 @@ def _activation_lines(r: Report) -> list[str]:
         + (f" ({act.note})" if act.note else "")
         + "."
     )
-    if run:
+    if run and run["compiled"]:
         lines.append(
-            f"Compiled {run['compiled']} program(s) in {run['compile_seconds']:.1f} s, "
+            f"Compiled {run['compiled']} program(s) in {run['compile_wall_seconds']:.1f} s "
+            f"({run['compile_seconds']:.1f} s of compiling summed over the programs, side by side), "
             f"{run['cache_hits']} from the cache ({run['cache_dir']})."
         )
+    elif run:
+        lines.append(f"Compiled nothing: {run['cache_hits']} program(s) from the cache ({run['cache_dir']}).")
     return lines
 
 
