@@ -18,6 +18,7 @@ the vectorisable forms.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 
 def pairwise_sum(x):
@@ -32,10 +33,12 @@ def pairwise_sum(x):
     """
     n = x.shape[-1]
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
+    # NOTE: lax ops, not `x[..., :half] + ...`: the same primitives, traced without NumPy indexing's
+    # rewriting and type promotion, which cost most of this tree's tracing (it runs in every norm).
     while x.shape[-1] > 1:
         half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
+        x = lax.add(lax.slice_in_dim(x, 0, half, axis=-1), lax.slice_in_dim(x, half, 2 * half, axis=-1))
+    return x.reshape(x.shape[:-1])
 
 
 def ordered_sum(x, axis: int):
