@@ -124,11 +124,13 @@ def _log(msg: str) -> None:
 @click.option("--multiturn-model", help="multiturn: the model (default qwen3-next-h512; smoke tiny-2L)")
 @click.option("--multiturn-conversations", type=int, help="multiturn: conversations (default 4; smoke 2)")
 @click.option("--multiturn-turns", type=int, help="multiturn: turns per conversation (default 4; smoke 2)")
-@click.option("--e2e-ns", callback=_ints, help="e2e: prompts generated together on small, default 1,4,8")
+@click.option("--e2e-ns", callback=_ints, help="e2e: prompts generated together on small, default 1,4,8 ('': none)")
 @click.option("--e2e-drafts", callback=_ints, help="e2e: drafts per verify on small, default 1,2,3")
 @click.option("--e2e-new-tokens", type=int, help="e2e: tokens per prompt on small, default 96")
 @click.option("--e2e-oracle-model", help="e2e: the model run with oracle drafts, default qwen3-next-h512")
-@click.option("--e2e-oracle-ns", callback=_ints, help="e2e: prompts generated together with oracle drafts, default 1,8")
+@click.option(
+    "--e2e-oracle-ns", callback=_ints, help="e2e: prompts generated together with oracle drafts, default 1,8 ('': none)"
+)
 @click.option("--e2e-oracle-new-tokens", type=int, help="e2e: tokens per prompt with oracle drafts, default 48")
 @click.option("--e2e-accept", type=float, default=0.8, help="e2e: the oracle's chance a draft position is right")
 @click.option("--e2e-rounds", type=int, help="e2e: timed rounds, default 3")

@@ -231,34 +231,38 @@ def _rows(
 
 
 def run(s: Settings) -> dict:
-    """The section from the `e2e_*` fields of `s` (see the module docstring)."""
-    rng = np.random.default_rng(s.seed)
-    cfg, params = models.model(DRAFTER_MODEL)
-    texts = heldout_prompts(max(s.e2e_ns), s.e2e_prompt_len, seed=s.seed)
-    rows = _rows(
-        DRAFTER_MODEL,
-        cfg,
-        params,
-        lambda n: texts[:n],
-        s.e2e_ns,
-        s.e2e_drafts,
-        s.e2e_new_tokens,
-        s.e2e_rounds,
-        None,
-        s.seed,
-    )
-    ocfg, oparams = models.model(s.e2e_oracle_model)
-    randoms = rng.integers(0, ocfg.vocab_size, size=(max(s.e2e_oracle_ns), s.e2e_prompt_len)).tolist()
-    rows += _rows(
-        s.e2e_oracle_model,
-        ocfg,
-        oparams,
-        lambda n: randoms[:n],
-        s.e2e_oracle_ns,
-        s.e2e_oracle_drafts,
-        s.e2e_oracle_new_tokens,
-        s.e2e_rounds,
-        s.e2e_accept,
-        s.seed,
-    )
+    """The section from the `e2e_*` fields of `s` (see the module docstring); a model whose list of n is
+    empty is not run."""
+    rows: list[dict] = []
+    if s.e2e_ns:
+        cfg, params = models.model(DRAFTER_MODEL)
+        texts = heldout_prompts(max(s.e2e_ns), s.e2e_prompt_len, seed=s.seed)
+        rows += _rows(
+            DRAFTER_MODEL,
+            cfg,
+            params,
+            lambda n: texts[:n],
+            s.e2e_ns,
+            s.e2e_drafts,
+            s.e2e_new_tokens,
+            s.e2e_rounds,
+            None,
+            s.seed,
+        )
+    if s.e2e_oracle_ns:
+        ocfg, oparams = models.model(s.e2e_oracle_model)
+        rng = np.random.default_rng(s.seed)
+        randoms = rng.integers(0, ocfg.vocab_size, size=(max(s.e2e_oracle_ns), s.e2e_prompt_len)).tolist()
+        rows += _rows(
+            s.e2e_oracle_model,
+            ocfg,
+            oparams,
+            lambda n: randoms[:n],
+            s.e2e_oracle_ns,
+            s.e2e_oracle_drafts,
+            s.e2e_oracle_new_tokens,
+            s.e2e_rounds,
+            s.e2e_accept,
+            s.seed,
+        )
     return {"rounds": s.e2e_rounds, "prompt_len": s.e2e_prompt_len, "modes": list(MODES), "rows": rows}

@@ -354,6 +354,18 @@ def test_default_run_times_the_realistic_width_models_at_their_own_sizes():
     assert sum(x.size for x in jax.tree_util.tree_leaves(shapes)) == models.parameter_count(h512)
 
 
+def test_e2e_runs_only_the_models_given_sizes(monkeypatch):
+    """An empty list of n leaves that model out (the GPU session times small at n = 1 and 8 and the 45 M
+    model at n = 1): with both empty the section runs no model and returns no row."""
+    from benchmarks import e2e
+
+    s = cli._resolve(cli.parse(["--e2e-ns", "", "--e2e-oracle-ns", ""]))
+    assert (s.e2e_ns, s.e2e_oracle_ns) == ([], [])
+    loaded = []
+    monkeypatch.setattr(e2e.models, "model", lambda name: loaded.append(name))
+    assert e2e.run(s)["rows"] == [] and loaded == []
+
+
 def test_oracle_drafts_replay_the_continuation_with_the_planted_acceptance():
     """Position j of a prompt's continuation is proposed right with probability p, planted once (the same
     at every call and from any committed length); a wrong draft is never the right token; past the
