@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -355,15 +356,25 @@ def test_default_run_times_the_realistic_width_models_at_their_own_sizes():
 
 
 def test_e2e_runs_only_the_models_given_sizes(monkeypatch):
-    """An empty list of n leaves that model out (the GPU session times small at n = 1 and 8 and the 45 M
-    model at n = 1): with both empty the section runs no model and returns no row."""
+    """An empty list of n leaves that model out (loaded and run not at all) and runs the other one at its
+    sizes; with both empty the section returns no row."""
     from benchmarks import e2e
 
-    s = cli._resolve(cli.parse(["--e2e-ns", "", "--e2e-oracle-ns", ""]))
-    assert (s.e2e_ns, s.e2e_oracle_ns) == ([], [])
-    loaded = []
-    monkeypatch.setattr(e2e.models, "model", lambda name: loaded.append(name))
-    assert e2e.run(s)["rows"] == [] and loaded == []
+    loaded, ran = [], []
+    cfg = types.SimpleNamespace(vocab_size=16)  # what run reads of a config; _rows (replaced) reads the rest
+    monkeypatch.setattr(e2e.models, "model", lambda name: (loaded.append(name), (cfg, None))[1])
+    monkeypatch.setattr(e2e, "heldout_prompts", lambda count, length, seed: [[1] * length] * count)
+    monkeypatch.setattr(e2e, "_rows", lambda label, cfg, params, prompts_for, ns, *rest: ran.append((label, ns)) or [])
+
+    def run(*argv: str) -> dict:
+        loaded.clear(), ran.clear()
+        return e2e.run(cli._resolve(cli.parse(list(argv))))
+
+    assert run("--e2e-ns", "", "--e2e-oracle-ns", "")["rows"] == [] and loaded == ran == []
+    run("--e2e-ns", "", "--e2e-oracle-ns", "1", "--e2e-oracle-model", "tiny-2L")
+    assert loaded == ["tiny-2L"] and ran == [("tiny-2L", [1])]
+    run("--e2e-ns", "1,8", "--e2e-oracle-ns", "")
+    assert loaded == [e2e.DRAFTER_MODEL] and ran == [(e2e.DRAFTER_MODEL, [1, 8])]
 
 
 def test_oracle_drafts_replay_the_continuation_with_the_planted_acceptance():

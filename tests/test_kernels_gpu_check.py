@@ -1,9 +1,11 @@
 """`benchmarks/gpu_check.py` without a GPU: the dry run passes end to end, the real shape set is
-supported on "gpu" and lowers to Triton for CUDA, and a real run refuses to start off GPU."""
+supported on "gpu" and lowers to Triton for CUDA, and a real run refuses to start off GPU; the session
+script (`benchmarks/gpu_session.sh`) stops a stage at its limit and runs the next."""
 
 import functools
 import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
@@ -42,3 +44,19 @@ def test_real_shapes_supported_and_lower(case):
 def test_real_run_needs_a_gpu():
     with pytest.raises(SystemExit):
         gpu_check.main([])
+
+
+def test_session_stops_each_stage_at_its_limit_and_runs_the_next(tmp_path):
+    """Every stage's limit 1 s (none can import jax in that): each is stopped (exit 124), the next still runs,
+    each leaves its log, the summary names all three, and the session exits 1; a stray argument exits 2."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_session.sh")
+    limits = {"GPU_CHECK_S": "1", "ROOFLINE_S": "1", "E2E_S": "1"}
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, **limits)
+    r = subprocess.run(["bash", script, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary] == ["gpu_session", "gpu_check", "roofline", "e2e"]
+    assert all("exit 124" in line for line in summary[1:])
+    assert all((tmp_path / f"{stage}.log").exists() for stage in ("gpu_check", "roofline", "e2e"))
+    bad = subprocess.run(["bash", script, "--bogus"], env=env, capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "usage" in bad.stderr
