@@ -116,6 +116,16 @@ def test_a_missing_compiler_is_a_reason(monkeypatch, tmp_path):
     assert lib is None and "no C++ compiler" in reason
 
 
+def test_a_build_into_an_empty_cache_loads_and_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    lib, reason = build.library.__wrapped__()
+    assert reason is None and lib is not None and lib.MetraleRowsVectorised() in (0, 1)
+    (built,) = tmp_path.glob("rows_matmul-*.so")
+    stamp = built.stat().st_mtime_ns
+    lib, reason = build.library.__wrapped__()
+    assert reason is None and built.stat().st_mtime_ns == stamp and list(tmp_path.iterdir()) == [built]
+
+
 def test_a_failed_build_is_a_reason_and_leaves_no_file(monkeypatch, tmp_path):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(build, "SOURCE", tmp_path / "broken.cc")

@@ -68,7 +68,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
             os.close(fd)
         except OSError as e:
             return None, f"cannot write the kernel build under {out.parent}: {e.strerror or e}"
-        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+        # NOTE: the C++ runtime is linked in and every symbol but the handler's hidden, so the library brings no
+        # second copy of libstdc++'s symbols into a process whose jaxlib has its own.
+        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
+        cmd += ["-fvisibility-inlines-hidden", "-static-libstdc++", "-static-libgcc", "-Wl,--exclude-libs,ALL"]
         cmd += ["-isystem", jax.ffi.include_dir(), "-o", tmp, str(SOURCE)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True)

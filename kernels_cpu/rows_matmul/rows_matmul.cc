@@ -77,7 +77,9 @@ ffi::Error RowsMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> t, ffi::Res
 
 }  // namespace
 
-extern "C" int MetraleRowsVectorised() { return METRALE_ROWS_VECTORISED; }
+// The two symbols the library exports (`build.py` hides every other one).
+extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* MetraleRowsMatmul(XLA_FFI_CallFrame* call_frame);
+extern "C" __attribute__((visibility("default"))) int MetraleRowsVectorised() { return METRALE_ROWS_VECTORISED; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MetraleRowsMatmul, RowsMatmul,
                               ffi::Ffi::Bind()
