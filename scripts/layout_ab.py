@@ -1,6 +1,7 @@
-"""The single-device CPU engine's weight layouts side by side, in one process: each step's program with the
-weights as the engine holds them (`backend_layout`: input-major, and one leaf per expert where
-`mlp.expert_leaves_apply`), input-major with the expert stacks kept whole, and in the checkpoints' [out, in],
+"""The single-device CPU engine's weight layouts and its rows kernel side by side, in one process: each step's
+program with the weights as the engine holds them (`backend_layout`: input-major, and one leaf per expert where
+`mlp.expert_leaves_apply`), the same with the products of 2-4 rows on XLA's dot instead of the rows kernel
+(`kernels_cpu.rows_matmul`), input-major with the expert stacks kept whole, and in the checkpoints' [out, in],
 alternated round by round.
 
     .venv/bin/python scripts/layout_ab.py [MODEL] [STEP ...]
@@ -26,11 +27,14 @@ from step_times import captured_step  # noqa: E402  (this script's folder)
 import metrale_jax.engine.engine as engine_module  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.steps import StepBench, max_seq_len_for  # noqa: E402
+from kernels_cpu.rows_matmul.api import DISABLE_ENV  # noqa: E402
 from metrale_jax.model.linear import transpose_weights  # noqa: E402
 
 ENGINE = "engine's"
+NO_ROWS_KERNEL = "engine's, XLA's dot"
 LAYOUTS = {
     ENGINE: engine_module.backend_layout,
+    NO_ROWS_KERNEL: engine_module.backend_layout,
     "[in, out] stacked": lambda params, cfg, mesh: transpose_weights(params),
     "[out, in]": lambda params, cfg, mesh: params,
 }
@@ -67,10 +71,13 @@ def main() -> None:
         timers = {}
         for layout, place in LAYOUTS.items():
             engine_module.backend_layout = place
+            if layout == NO_ROWS_KERNEL:
+                os.environ[DISABLE_ENV] = "0"  # read when the engine's programs are traced (in `timer`)
             try:
                 timers[layout] = timer(cfg, params, kind, n, k, rng)
             finally:
                 engine_module.backend_layout = LAYOUTS[ENGINE]
+                os.environ.pop(DISABLE_ENV, None)
         best = {layout: float("inf") for layout in LAYOUTS}
         for _ in range(rounds):
             for layout, run in timers.items():

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("engine", ("metrale_jax.engine",)),
     ("model", ("metrale_jax.model",)),
-    ("kernels", ("kernels_pallas",)),
+    ("kernels", ("kernels_pallas", "kernels_cpu")),
 )
 #: Libraries only the CLI uses: the engine and everything below it must not load them.
 CLI_LIBRARIES = ("click", "tomli")

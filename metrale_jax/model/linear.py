@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_cpu.rows_matmul.api import rows_matmul
+
 # The device mesh's axes (`metrale_jax.engine.sharding` builds the mesh): heads, experts.
 TENSOR_AXIS = "tp"
 EXPERT_AXIS = "ep"
@@ -173,9 +175,10 @@ def with_expert(e, fn, stacks, *args):
 
 
 def linear(x, w):
-    """x [..., in] @ w[out, in].T -> [..., out], in the activation dtype."""
+    """x [..., in] @ w[out, in].T -> [..., out], in the activation dtype. An input-major weight's product of a
+    few rows runs the CPU rows kernel (`kernels_cpu.rows_matmul`; XLA's dot where it does not apply)."""
     if isinstance(w, TransposedWeight):
-        return jnp.einsum("...i,io->...o", x, w.t)
+        return rows_matmul(x, w.t)
     return jnp.einsum("...i,oi->...o", x, w)
 
 
