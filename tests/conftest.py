@@ -5,6 +5,7 @@ suite's time on a 2-core CPU)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -25,6 +26,21 @@ def settings(**flags):
     flags.setdefault("kv_cache_dtype", "f32")
     raw = {k: (str(v) if k == "max_batch_size" else v) for k, v in flags.items()}
     return resolve_settings(raw, None, auto_slots=int(flags.get("max_batch_size", 8)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_executables():
+    """Drop every compiled program when a test module ends.
+
+    NOTE: XLA CPU maps each loaded executable's JIT code separately, and jax's caches keep the
+    executables of module-level jitted functions alive for the whole process; over the suite the
+    mappings reach vm.max_map_count (65530 by default) and the next compile fails, which crashed
+    the process (see BUILD_NOTES, "The suite and memory mappings")."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

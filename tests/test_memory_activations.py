@@ -242,8 +242,10 @@ def test_no_activations_skips_them():
 
 
 def test_cache_key_covers_the_reference_kernels():
-    """The `xla` forward runs the jnp twins in kernels_pallas: an edit there must change the
-    activation cache key, or a warm cache would serve stale entries."""
+    """The `xla` forward runs the jnp twins in kernels_pallas, and `linear` the CPU rows kernel: an
+    edit there must change the activation cache key, or a warm cache would serve stale entries."""
     names = {f.as_posix().split("/kernels_pallas/")[-1] for f in source_files() if "kernels_pallas" in f.parts}
     assert {"gdn/reference.py", "paged_attention/reference.py", "ops.py"} <= names
     assert any(f.name == "transitions.py" for f in source_files())
+    cpu = {f.as_posix().split("/kernels_cpu/")[-1] for f in source_files() if "kernels_cpu" in f.parts}
+    assert {"rows_matmul/api.py", "rows_matmul/rows_matmul.cc"} <= cpu

@@ -49,9 +49,14 @@ def _registered() -> str | None:
     return None
 
 
+def rows_kernel_switched_on() -> bool:
+    """Whether `DISABLE_ENV` leaves the kernel on (it is unless set to 0)."""
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
 def rows_matmul_supported(x, t) -> str | None:
     """Why `rows_matmul(x, t)` would run the reference instead of the kernel, or None when it runs the kernel."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if not rows_kernel_switched_on():
         return f"turned off ({DISABLE_ENV}=0)"
     if jax.default_backend() != "cpu":
         return f"the kernel is for XLA's CPU backend, not {jax.default_backend()}"

@@ -78,6 +78,7 @@ import jax
 import jaxlib
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from kernels_cpu.rows_matmul.api import rows_kernel_switched_on
 from kernels_pallas.ops import Ops
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import transitions as tr
@@ -137,10 +138,16 @@ def default_cache_dir() -> Path:
 
 def source_files() -> list[Path]:
     """The sources a compiled step program depends on: the engine, model, params and config
-    sources and all of `kernels_pallas` (the `xla` forward runs its reference twins, the `pallas`
-    forward its kernels)."""
-    roots = [_PACKAGE / s for s in _SOURCES] + [_PACKAGE.parent / "kernels_pallas"]
-    return [f for root in roots for f in (sorted(root.rglob("*.py")) if root.is_dir() else [root])]
+    sources, all of `kernels_pallas` (the `xla` forward runs its reference twins, the `pallas`
+    forward its kernels) and of `kernels_cpu` (`linear` runs the CPU rows kernel; its C++ source
+    included)."""
+    kernels = [_PACKAGE.parent / "kernels_pallas", _PACKAGE.parent / "kernels_cpu"]
+    roots = [_PACKAGE / s for s in _SOURCES] + kernels
+    return [
+        f
+        for root in roots
+        for f in (sorted(root.rglob("*.py")) + sorted(root.rglob("*.cc")) if root.is_dir() else [root])
+    ]
 
 
 @functools.cache
@@ -442,6 +449,8 @@ class ActivationModel:
             "backend": [self.backend, self.device_kind],
             "options": ANALYSIS_OPTIONS.get(self.backend),
             "source": source_digest(),
+            # NOTE: the switch, not whether the kernel builds here: asking would build it on every plan.
+            "cpu_rows_kernel": rows_kernel_switched_on(),
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
