@@ -128,20 +128,37 @@ def test_rows_are_isolated_nan_included(laid_out, form):
     assert np.isnan(got[:, 1::2]).all()
 
 
+def test_pairs_of_many_rows_are_each_row_alone_bit_for_bit(laid_out):
+    """The `pairs` loop runs its pairs in expert order (an expert several rows select is read from
+    memory once), yet each row adds its experts in expert order, as a row alone does: the same
+    bytes. Four slots a row, so that the order of a row's sum shows in its bytes."""
+    rng = np.random.default_rng(3)
+    rows, k = 6, 4
+    top_i = jnp.asarray(np.sort([rng.choice(CFG.num_experts, k, replace=False) for _ in range(rows)], axis=-1))
+    top_w = jnp.asarray(rng.uniform(size=(rows, k)), jnp.float32)
+    x = jax.random.normal(jax.random.key(7), (rows, CFG.hidden_size), jnp.float32)
+    run = jax.jit(lambda x, i, w, gu, d: mlp._pairs(x, i, w, gu, d, CFG.moe_intermediate_size))
+    many = np.asarray(run(x, top_i, top_w, laid_out["gate_up"], laid_out["down"]))
+    for r in range(rows):
+        alone = run(x[r : r + 1], top_i[r : r + 1], top_w[r : r + 1], laid_out["gate_up"], laid_out["down"])
+        np.testing.assert_array_equal(many[r], np.asarray(alone)[0])
+
+
 def test_form_follows_the_row_count():
     """At qwen3-next-h512's widths: pairs while rows x top_k <= E (LEAVES_PAIRS_PER_EXPERT x E over
-    expert leaves), grouped from
-    GROUPED_MIN_PAIRS_PER_EXPERT pairs per expert (or with more than DENSE_MAX_EXPERTS experts),
-    dense in between; dense whenever every expert on every row is small (the tiny preset's decode
-    and verify steps). The grouped capacity covers the average load."""
+    expert leaves, and the stacked rule beyond), grouped from GROUPED_MIN_PAIRS_PER_EXPERT pairs per
+    expert (or with more than DENSE_MAX_EXPERTS experts), dense in between; dense whenever every
+    expert on every row is small (the tiny preset's decode and verify steps). The grouped capacity
+    covers the average load."""
     wide = config("qwen3-next-h512")
     e, k = wide.num_experts, wide.num_experts_per_tok
     first_grouped = mlp.GROUPED_MIN_PAIRS_PER_EXPERT * e // k
     rows = (1, e // k, e // k + 1, first_grouped - 1, first_grouped)
     assert [mlp.moe_form(r, wide) for r in rows] == ["pairs", "pairs", "dense", "dense", "grouped"]
     most_pairs = mlp.LEAVES_PAIRS_PER_EXPERT * e // k  # over expert leaves
-    rows = (1, most_pairs, most_pairs + 1, first_grouped)
-    assert [mlp.moe_form(r, wide, expert_leaves=True) for r in rows] == ["pairs", "pairs", "dense", "grouped"]
+    assert [mlp.moe_form(r, wide, expert_leaves=True) for r in (1, most_pairs)] == ["pairs", "pairs"]
+    beyond = (most_pairs + 1, 2 * most_pairs)  # the stacked rule again
+    assert [mlp.moe_form(r, wide, expert_leaves=True) for r in beyond] == [mlp.moe_form(r, wide) for r in beyond]
     many = wide.replace(num_experts=4 * mlp.DENSE_MAX_EXPERTS)
     assert [mlp.moe_form(r, many) for r in (many.num_experts // k, many.num_experts // k + 1)] == ["pairs", "grouped"]
     per_row = CFG.num_experts * 3 * CFG.moe_intermediate_size * CFG.hidden_size

@@ -59,9 +59,10 @@ DENSE_MAX_EXPERTS = 64
 # `grouped`'s rows per expert and round: the average plus this many of its binomial standard deviations.
 GROUPED_CAPACITY_SIGMAS = 3
 # Over expert leaves `pairs` runs while the step has at most this many (row, expert) pairs per expert:
-# a loop step reads its expert in place, and an expert a step selects again is read from cache, so
-# the pairs stay cheaper than every expert's product of all rows until the experts are this loaded.
-LEAVES_PAIRS_PER_EXPERT = 4
+# a loop step reads its expert in place, and the pairs run in expert order, so an expert's later
+# pairs read it from cache; the pairs stay cheaper than `dense` (every expert on every row) and
+# `grouped` (rounds of `grouped_capacity` rows) until the experts are this loaded.
+LEAVES_PAIRS_PER_EXPERT = 8
 # Expert stacks held one leaf per expert only up to this many experts: `pairs` then compiles a
 # switch of E branches, `dense` and `grouped` E products each.
 EXPERT_LEAVES_MAX_EXPERTS = 64
@@ -140,13 +141,20 @@ def _each_expert(xs, gate_up, down, inter: int):
 
 
 def _pairs(x, top_i, top_w, gate_up, down, inter: int):
-    """One (row, slot) pair per loop step, slots in expert order: each step runs the one expert it
-    selects (`linear.with_expert`: its own leaves, or the expert copied out of the stacks; the
-    scratch then holds one expert's weights). x [R, Hd] -> [R, Hd]."""
+    """One (row, slot) pair per loop step: each step runs the one expert it selects
+    (`linear.with_expert`: its own leaves, or the expert copied out of the stacks; the scratch then
+    holds one expert's weights). The pairs run in expert order, rows in order within an expert, so
+    each row still adds its experts in expert order. x [R, Hd] -> [R, Hd].
+    NOTE: expert order, not row order: an expert that several rows select is read from memory once
+    and then from cache by the pairs that follow it (in row order, the other experts read between
+    two rows' pairs evicted it)."""
     k = top_i.shape[-1]
     run = functools.partial(_expert, inter=inter)
+    # (one row's slots are in expert order already)
+    order = None if top_i.shape[0] == 1 else jnp.argsort(top_i.reshape(-1), stable=True).astype(jnp.int32)
 
-    def pair(p, acc):
+    def pair(j, acc):
+        p = j if order is None else order[j]
         r, s = p // k, p % k
         xr = jax.lax.dynamic_index_in_dim(x, r, keepdims=False)
         y = with_expert(top_i[r, s], run, (gate_up, down), xr)

@@ -1,0 +1,65 @@
+"""The routed MoE block's three forms side by side at given row counts, in one process: one MoE layer of a
+benchmark model (random weights, laid out as the single-device engine holds them: `backend_layout`) on random
+rows, `mlp.moe` traced with its form forced to each of `pairs`, `dense`, `grouped`, alternated round by round;
+which form `mlp.moe_form` picks is printed with the times. For the thresholds in `mlp` (a form's crossover moves
+with the widths and the expert count).
+
+    .venv/bin/python scripts/moe_forms.py [MODEL] [ROWS ...]
+
+MODEL: a `benchmarks.models.config` name (default qwen3-next-h512); ROWS: row counts (default 8 16 24 32 40 64).
+Pinned to one core; per form the median of ROUNDS (15) means of REPS (5) calls, in ms.
+"""
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+os.sched_setaffinity(0, {0})
+sys.path.insert(0, os.getcwd())
+
+from benchmarks.models import config  # noqa: E402
+from metrale_jax.model import mlp  # noqa: E402
+from metrale_jax.model.backend_layout import backend_layout  # noqa: E402
+from metrale_jax.params import init_params  # noqa: E402
+
+ROUNDS, REPS = 15, 5
+FORMS = ("pairs", "dense", "grouped")
+
+
+def forced(form, cfg, w, x):
+    """`mlp.moe` compiled for x with its form forced (the form is read at trace time)."""
+    real = mlp.moe_form
+    mlp.moe_form = lambda rows, cfg, expert_leaves=False: form
+    try:
+        return jax.jit(lambda w, x: mlp.moe(w, x, cfg)).lower(w, x).compile()
+    finally:
+        mlp.moe_form = real
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-next-h512"
+    cfg = config(name)
+    layer = next(layer["mlp"] for layer in init_params(cfg, 3)["layers"] if mlp.is_moe_block(layer["mlp"]))
+    w = backend_layout({"mlp": layer}, cfg, None)["mlp"]
+    leaves = mlp.expert_leaves_apply(cfg)
+    for rows in [int(r) for r in sys.argv[2:]] or [8, 16, 24, 32, 40, 64]:
+        x = jax.random.normal(jax.random.key(rows), (1, rows, cfg.hidden_size))
+        programs = {form: forced(form, cfg, w, x) for form in FORMS}
+        times: dict = {form: [] for form in FORMS}
+        for program in programs.values():
+            program(w, x).block_until_ready()
+        for _ in range(ROUNDS):
+            for form, program in programs.items():
+                start = time.perf_counter()
+                for _ in range(REPS):
+                    program(w, x).block_until_ready()
+                times[form].append((time.perf_counter() - start) / REPS * 1e3)
+        ms = {form: round(float(np.median(t)), 3) for form, t in times.items()}
+        print(f"{name} rows {rows} (picks {mlp.moe_form(rows, cfg, leaves)}): {ms}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
