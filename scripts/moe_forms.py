@@ -1,6 +1,6 @@
 """The routed MoE block's three forms side by side at given row counts, in one process: one MoE layer of a
 benchmark model (random weights, laid out as the single-device engine holds them: `backend_layout`) on random
-rows, `mlp.moe` traced with its form forced to each of `pairs`, `dense`, `grouped`, alternated round by round;
+rows, `mlp.moe` with its form forced to each of `pairs`, `dense`, `grouped`, alternated round by round;
 which form `mlp.moe_form` picks is printed with the times. For the thresholds in `mlp` (a form's crossover moves
 with the widths and the expert count).
 
@@ -29,16 +29,6 @@ ROUNDS, REPS = 15, 5
 FORMS = ("pairs", "dense", "grouped")
 
 
-def forced(form, cfg, w, x):
-    """`mlp.moe` compiled for x with its form forced (the form is read at trace time)."""
-    real = mlp.moe_form
-    mlp.moe_form = lambda rows, cfg, expert_leaves=False: form
-    try:
-        return jax.jit(lambda w, x: mlp.moe(w, x, cfg)).lower(w, x).compile()
-    finally:
-        mlp.moe_form = real
-
-
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-next-h512"
     cfg = config(name)
@@ -47,7 +37,9 @@ def main() -> None:
     leaves = mlp.expert_leaves_apply(cfg)
     for rows in [int(r) for r in sys.argv[2:]] or [8, 16, 24, 32, 40, 64]:
         x = jax.random.normal(jax.random.key(rows), (1, rows, cfg.hidden_size))
-        programs = {form: forced(form, cfg, w, x) for form in FORMS}
+        programs = {
+            form: jax.jit(lambda w, x, form=form: mlp.moe(w, x, cfg, form)).lower(w, x).compile() for form in FORMS
+        }
         times: dict = {form: [] for form in FORMS}
         for program in programs.values():
             program(w, x).block_until_ready()

@@ -65,13 +65,8 @@ def test_expert_leaves_apply_where_one_row_runs_pairs_and_join_back(p):
 
 
 def _moe(p, x, form):
-    """`mlp.moe` with its form forced (traced here: the form is read at trace time)."""
-    real = mlp.moe_form
-    mlp.moe_form = lambda rows, cfg, expert_leaves=False: form
-    try:
-        return np.asarray(jax.jit(lambda p, x: mlp.moe(p, x, CFG))(p, x))
-    finally:
-        mlp.moe_form = real
+    """`mlp.moe` with its form forced."""
+    return np.asarray(jax.jit(lambda p, x: mlp.moe(p, x, CFG, form))(p, x))
 
 
 def _hf_loop(p, x):

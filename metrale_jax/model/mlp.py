@@ -140,6 +140,12 @@ def _each_expert(xs, gate_up, down, inter: int):
     return linear_per_expert(_act(linear_per_expert(xs, gate_up), inter), down)
 
 
+def _pairs_by_expert(top_i):
+    """The (row, slot) pair ids r * k + s of top_i [R, k] sorted by expert, rows in order within an
+    expert (a stable sort). -> [R * k] int32."""
+    return jnp.argsort(top_i.reshape(-1), stable=True).astype(jnp.int32)
+
+
 def _pairs(x, top_i, top_w, gate_up, down, inter: int):
     """One (row, slot) pair per loop step: each step runs the one expert it selects
     (`linear.with_expert`: its own leaves, or the expert copied out of the stacks; the scratch then
@@ -150,8 +156,7 @@ def _pairs(x, top_i, top_w, gate_up, down, inter: int):
     two rows' pairs evicted it)."""
     k = top_i.shape[-1]
     run = functools.partial(_expert, inter=inter)
-    # (one row's slots are in expert order already)
-    order = None if top_i.shape[0] == 1 else jnp.argsort(top_i.reshape(-1), stable=True).astype(jnp.int32)
+    order = None if top_i.shape[0] == 1 else _pairs_by_expert(top_i)  # (one row's slots are in expert order)
 
     def pair(j, acc):
         p = j if order is None else order[j]
@@ -177,7 +182,7 @@ def _grouped(x, top_i, top_w, gate_up, down, inter: int, capacity: int):
     e_count, hd = gate_up.shape[0], x.shape[-1]
     n, k = top_i.shape
     experts = top_i.reshape(-1)
-    order = jnp.argsort(experts, stable=True).astype(jnp.int32)  # pair ids by expert
+    order = _pairs_by_expert(top_i)
     counts = jnp.zeros(e_count, jnp.int32).at[experts].add(1)
     starts = jnp.cumsum(counts) - counts
     lane = jnp.arange(capacity, dtype=jnp.int32)
@@ -268,11 +273,12 @@ def top_k(probs, k: int) -> tuple[jax.Array, jax.Array]:
     return -neg[..., :k], idx[..., :k]
 
 
-def moe(p, x, cfg: ModelConfig):
+def moe(p, x, cfg: ModelConfig, form: MoeForm | None = None):
     """Sparse MoE block. x: [..., Hd]. p: router [E + 1, Hd] (the router, the shared-expert gate),
     gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I], shared_gate_up [2Is, Hd] (gate rows
-    first), shared_down [Hd, Is]. The routed experts run in the form `moe_form` picks for the row
-    count; the shared expert is a dense SwiGLU (split over the tensor axis like the dense MLP)."""
+    first), shared_down [Hd, Is]. The routed experts run in `form`, by default the one `moe_form`
+    picks for the row count (the tests and `scripts/moe_forms.py` force each); the shared expert is
+    a dense SwiGLU (split over the tensor axis like the dense MLP)."""
     # NOTE: the router is replicated (its rows and the one-row shared gate do not split over heads): groups=1.
     logits, shared_scale = linear_parts(x, p["router"], moe_router_rows(cfg), groups=1)
     logits32 = logits.astype(jnp.float32)
@@ -283,7 +289,7 @@ def moe(p, x, cfg: ModelConfig):
         top_w = top_w / pairwise_sum(top_w)[..., None]
     hd = x.shape[-1]
     rows = x.size // hd
-    form = moe_form(rows, cfg, isinstance(p["gate_up"], ExpertLeaves))
+    form = form or moe_form(rows, cfg, isinstance(p["gate_up"], ExpertLeaves))
     top_i, top_w = top_i.reshape(rows, -1), top_w.astype(x.dtype).reshape(rows, -1)
     if form != "dense":  # the slots in expert order, the order `dense` sums the experts in
         top_i, top_w = jax.lax.sort((top_i, top_w), num_keys=1)
