@@ -1,6 +1,6 @@
 """The single-device CPU engine's weight layouts and its rows kernel side by side, in one process: each step's
 program with the weights as the engine holds them (`backend_layout`: input-major, and one leaf per expert where
-`mlp.expert_leaves_apply`), the same with the products of 2-4 rows on XLA's dot instead of the rows kernel
+`mlp.expert_leaves_apply`), the same with the products of 2-32 rows on XLA's dot instead of the rows kernel
 (`kernels_cpu.rows_matmul`), input-major with the expert stacks kept whole, and in the checkpoints' [out, in],
 alternated round by round.
 

@@ -10,8 +10,8 @@ past any cache (`anatomy.OUT_OF_CACHE_BYTES`), so the figures are a real step's 
 from XLA's result relative to its largest value. The kernel is called directly (`api._kernel`), also at row counts
 the engine leaves to XLA (`api.ROWS_MIN`, `api.ROWS_MAX`). Pinned to one core.
 
-NOTE: the kernel keeps y (M x N floats) in cache; at 8 rows of a wide weight its time moves with where y's rows fall
-in the cache sets (rows of 16-24 KiB map to the same sets), which is why the engine stops at ROWS_MAX.
+NOTE: the kernel holds the accumulators of at most 8 rows in registers; past 8 rows it reads the weight again for
+each further group of 8, which is why the engine stops at ROWS_MAX.
 """
 
 import os

@@ -10,9 +10,9 @@ Invariants:
 - The kernel lowers only for the CPU (`lax.platform_dependent`): a program lowered for another platform computes
   the reference. Differentiable (a JVP through the reference), and vmappable (row batches run one by one).
 
-NOTE: why a kernel of our own. XLA CPU's product of 2-4 rows with a weight read from memory takes ~2x its one-row
+NOTE: why a kernel of our own. XLA CPU's product of 2-8 rows with a weight read from memory takes ~2x its one-row
 product (`scripts/small_m_products.py`), while streaming the weight once for all rows costs little more than one
-row: the verify of a speculative step (K = 2-4 rows per sequence) pays that excess on every projection.
+row: the verify of a speculative step (K = 2-4 rows per sequence, a few sequences) pays that excess on every projection.
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ from kernels_cpu.rows_matmul.build import library
 from kernels_cpu.rows_matmul.reference import rows_matmul_reference
 
 #: The rows (the product of x's leading axes) the kernel runs. One row goes to XLA's dot, which streams the weight
-#: as fast as the kernel and fuses with its neighbours; more than ROWS_MAX too (the kernel's y leaves the cache).
-ROWS_MIN, ROWS_MAX = 2, 4
+#: as fast as the kernel and fuses with its neighbours; more than ROWS_MAX too (the kernel holds at most 8 rows'
+#: accumulators in registers and reads the weight again for each further group of 8; still, the 45 M verify of 4 and
+#: 8 sequences of K = 4, 16 and 32 rows, ran 1.13x and 1.06x quicker with it than with XLA's dot).
+ROWS_MIN, ROWS_MAX = 2, 32
 #: The smallest weight the kernel reads. NOTE: a custom call is a launch of its own that XLA cannot fuse with the
 #: ops around it; a weight of a few hundred KB is a few microseconds of reading, and in a program of many such
-#: products (the `small` preset's) the kernel made the step slower.
-MIN_WEIGHT_BYTES = 2 << 20
+#: products (the `small` preset's, whose weights are at most 200 KB) the kernel made the step slower. From 256 KiB
+#: on (the 45 M model's [256, 512] and [512, 512] projections too) it made the 45 M verify faster (BUILD_NOTES).
+MIN_WEIGHT_BYTES = 256 << 10
 #: Set to 0 to run XLA's dot at every row count (read when a program is traced: set it before the first).
 DISABLE_ENV = "METRALE_JAX_ROWS_KERNEL"
 TARGET = "metrale_rows_matmul"
