@@ -33,7 +33,7 @@ from metrale_jax.diff.variants import known_labels
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import EngineError
-from metrale_jax.engine.settings import SERVE_FLAGS, EngineSettings, resolve_settings
+from metrale_jax.engine.settings import EngineSettings, option_of, resolve_settings
 from metrale_jax.memory.plan import require_room, serve_pools
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli.errors import UsageError, user_errors
@@ -69,7 +69,7 @@ def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> Eng
     if not sized:
         return settings
     settings = resolve_settings({**raw, **sized}, behavior, auto_slots=auto)
-    opts = {flag.opt for flag in SERVE_FLAGS if flag.name in sized}
+    opts = {option_of(name) for name in sized}
     table = tuple(
         dataclasses.replace(p, requested="", rule=SIZED_RULE) if p.setting in opts else p for p in settings.provenance
     )

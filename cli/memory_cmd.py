@@ -27,9 +27,9 @@ from metrale_jax.memory.report import Report, render_json, render_text
 from metrale_jax.memory.source import resolve_model
 from metrale_jax.memory.weights import outside_bytes, weight_terms
 from metrale_jax.presets import parse_dtype
-from metrale_jax.recipes import REPO_RECIPES_DIR, serve_argv
 from metrale_jax_cli.errors import user_errors
 from metrale_jax_cli.model_toml import load_behavior
+from metrale_jax_cli.recipes import REPO_RECIPES_DIR, serve_argv
 from metrale_jax_cli.serve_flags import parse_serve_argv
 
 

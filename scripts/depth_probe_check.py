@@ -28,8 +28,8 @@ from metrale_jax.memory.activations import ActivationModel  # noqa: E402
 from metrale_jax.memory.source import resolve_model  # noqa: E402
 from metrale_jax.model.layout import layer_groups  # noqa: E402
 from metrale_jax.presets import parse_dtype  # noqa: E402
-from metrale_jax.recipes import REPO_RECIPES_DIR, serve_argv  # noqa: E402
 from metrale_jax_cli.model_toml import load_behavior  # noqa: E402
+from metrale_jax_cli.recipes import REPO_RECIPES_DIR, serve_argv  # noqa: E402
 from metrale_jax_cli.serve_flags import parse_serve_argv  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from metrale_jax.engine.settings import resolve_settings  # noqa: E402
 from metrale_jax.engine.sharding import EP, TP, check_mesh  # noqa: E402
 from metrale_jax.memory.activations import exported_step_programs  # noqa: E402
 from metrale_jax.memory.source import resolve_model  # noqa: E402
-from metrale_jax.recipes import REPO_RECIPES_DIR  # noqa: E402
+from metrale_jax_cli.recipes import REPO_RECIPES_DIR  # noqa: E402
 
 try:
     from jax.sharding import AbstractDevice

@@ -28,8 +28,8 @@ from metrale_jax.memory.plan import Planner, Workload
 from metrale_jax.memory.source import resolve_model
 from metrale_jax.model.layout import layer_groups, layer_period, truncate_groups
 from metrale_jax.presets import PRESETS, resolve_checkpoint
-from metrale_jax.recipes import REPO_RECIPES_DIR
 from metrale_jax_cli.memory_cmd import memory, plan
+from metrale_jax_cli.recipes import REPO_RECIPES_DIR
 
 #: ISL + OSL = the tiny-mtp recipe's max_model_len (512): the planner's KV pools are then the
 #: Engine's own (it sizes them for max_seq_len), and the max-ISL search has one point.

@@ -26,8 +26,8 @@ from metrale_jax.memory.devices import GIB, MIB, find_device, runtime_reserve, u
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.memory.plan import Planner, Term, Workload, largest_fitting
 from metrale_jax.presets import PRESETS
-from metrale_jax.recipes import REPO_RECIPES_DIR
 from metrale_jax_cli.memory_cmd import memory
+from metrale_jax_cli.recipes import REPO_RECIPES_DIR
 
 MODELS = REPO_RECIPES_DIR / "models"
 

@@ -8,7 +8,8 @@ import pytest
 
 from metrale_jax.engine.settings import SettingsError, resolve_settings
 from metrale_jax.memory.source import resolve_model
-from metrale_jax.recipes import (
+from metrale_jax_cli.model_toml import load_behavior
+from metrale_jax_cli.recipes import (
     REPO_RECIPES_DIR,
     RecipeError,
     flag_for_key,
@@ -19,7 +20,6 @@ from metrale_jax.recipes import (
     render_argv,
     serve_argv,
 )
-from metrale_jax_cli.model_toml import load_behavior
 from metrale_jax_cli.serve_flags import parse_serve_argv
 
 GOOD = """\

@@ -15,6 +15,7 @@ from metrale_jax.engine.capacity import DEFAULT_K_LADDER
 from metrale_jax.engine.settings import (
     RULE_DEFAULT,
     RULE_FLAG,
+    SERVE_DEFAULTS,
     Behavior,
     EngineSettings,
     SettingsError,
@@ -23,7 +24,7 @@ from metrale_jax.engine.settings import (
     resolve_settings,
 )
 from metrale_jax_cli.model_toml import BehaviorError, load_behavior, parse_behavior
-from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
+from metrale_jax_cli.serve_flags import SERVE_FLAGS, pop_serve_raw, serve_options
 
 TOML = Behavior(default_num_drafts=2, mtp_max_seqs=64, default_kv_dtype="bf16", source="M.toml")
 
@@ -334,3 +335,9 @@ def test_serve_options_help_lists_every_flag():
         "--enable-prefix-caching",
     ):
         assert flag in r.output
+
+
+def test_the_flag_table_names_every_engine_setting_once_in_its_order():
+    """The CLI's table (spellings, types, help) and the engine's settings (names, defaults) are one list."""
+    assert [flag.name for flag in SERVE_FLAGS] == list(SERVE_DEFAULTS)
+    assert all(flag.help and flag.opt.startswith("--") for flag in SERVE_FLAGS)

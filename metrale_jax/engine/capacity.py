@@ -17,10 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from metrale_jax.engine.settings import EngineSettings
+from typing import Protocol
 
 KLadder = tuple[tuple[int, int], ...]
 
@@ -54,6 +51,37 @@ class ModelCounts(Protocol):
 
     @property
     def num_mtp_layers(self) -> int: ...
+
+
+class PoolSettings(Protocol):
+    """The serve settings `pool_counts` reads (`engine.settings.EngineSettings` has them all; a
+    protocol, so that the settings, which validate against this module's limits, are not
+    imported back)."""
+
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def speculative(self) -> bool: ...
+    @property
+    def num_drafts(self) -> int: ...
+    @property
+    def mtp_max_seqs(self) -> int: ...
+    @property
+    def k_ladder(self) -> KLadder: ...
+    @property
+    def ssm_rollback_mode(self) -> str: ...
+    @property
+    def max_prefill_tokens(self) -> int: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def ssm_cache_slots(self) -> int: ...
+    @property
+    def ssm_decode_ring_slots(self) -> int: ...
 
 
 def ladder_drafts(n_active: int, num_drafts: int, ladder: KLadder) -> int:
@@ -247,7 +275,7 @@ class PoolCounts:
         return min(self.prefill_chunk, max(MIN_PREFILL_BUCKET, 1 << (n - 1).bit_length()))
 
 
-def pool_counts(settings: EngineSettings, config: ModelCounts, *, tokens_per_seq: int | None = None) -> PoolCounts:
+def pool_counts(settings: PoolSettings, config: ModelCounts, *, tokens_per_seq: int | None = None) -> PoolCounts:
     """Every pool's unit count for `settings` over `config`.
 
     `tokens_per_seq` sizes the paged KV pools (default `settings.max_seq_len`; the memory

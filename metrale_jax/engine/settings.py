@@ -1,16 +1,20 @@
-"""Serve settings: the serve flag table, their resolution, and the frozen result the engine runs on.
+"""Serve settings: their names and defaults, their resolution, and the frozen result the engine runs on.
 
-Owns: `SERVE_FLAGS` (every serve flag: name, default, value type, help; the CLI renders them as
-options in `metrale_jax_cli.serve_flags`), `Behavior` (a model's MODEL.toml `[behavior]`
-defaults, as values; `metrale_jax_cli.model_toml` reads the file), K-ladder text
-(`parse_k_ladder`, `format_k_ladder`), `resolve_settings` (flag -> MODEL.toml -> engine default,
-with every violation collected), `EngineSettings` (the frozen, hashable result the engine is
-built from; static under `jax.jit`) and `unsupported` (the valid settings this engine does not
-implement for a model: the one list both the `Engine` and the memory planner refuse by).
+Owns: `SERVE_DEFAULTS` (every serve setting by name, with its default; the CLI's flag table,
+`metrale_jax_cli.serve_flags`, gives each its option, value type and help), `option_of` (how a
+message names a setting), `Behavior` (a model's MODEL.toml `[behavior]` defaults, as values;
+`metrale_jax_cli.model_toml` reads the file), K-ladder text (`parse_k_ladder`,
+`format_k_ladder`), `resolve_settings` (flag -> MODEL.toml -> engine default, with every
+violation collected), `EngineSettings` (the frozen, hashable result the engine is built from;
+static under `jax.jit`) and `unsupported` (the valid settings this engine does not implement for
+a model: the one list both the `Engine` and the memory planner refuse by).
 
 Invariants:
-- Pure: no Click, no TOML, no I/O; importing this module loads nothing above the engine.
-- Each flag's default is stated once, in `SERVE_FLAGS`; `resolve_settings` fills absent keys from it.
+- Pure: no Click, no TOML, no I/O; importing this module loads nothing above the engine. Names
+  and values only: the flag table (value types, a boolean's negative spelling, help text) is the
+  CLI's; a message names a setting by the one rule `option_of`.
+- Each setting's default is stated once, in `SERVE_DEFAULTS`; `resolve_settings` fills absent
+  keys from it.
 - Resolution precedence: an explicit flag wins (even when it equals the engine default), then
   a positive / non-empty MODEL.toml value, then the engine default; each effective value
   records the rule that set it (`EngineSettings.provenance`, excluded from equality and hash).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from metrale_jax.config import ModelConfig
@@ -113,53 +118,35 @@ class EngineSettings:
     provenance: tuple[Provenance, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
-@dataclasses.dataclass(frozen=True)
-class ServeFlag:
-    """One serve flag: its parameter name (an `EngineSettings` field, or `mtp_k_ladder`), its
-    default, the type its value parses as, its help text, and for a presence-only boolean
-    (`type is bool`) the negative spelling `off`."""
-
-    name: str
-    default: Any
-    type: type
-    help: str
-    off: str | None = None
-
-    @property
-    def opt(self) -> str:
-        """The flag's spelling on a command line (`max_seq_len` -> `--max-seq-len`)."""
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def spellings(self) -> tuple[str, ...]:
-        """Every spelling of the flag: `opt`, then `off` for a presence-only boolean."""
-        return (self.opt,) if self.off is None else (self.opt, self.off)
-
-
-SERVE_FLAGS: tuple[ServeFlag, ...] = (
-    ServeFlag("max_batch_size", "8", str, "Sequence slots: N (1..=128) or auto (fit to memory)."),
-    ServeFlag("max_seq_len", 32768, int, "Longest sequence, prompt + output tokens."),
-    ServeFlag("block_size", 16, int, "Tokens per paged-KV block."),
-    ServeFlag("speculative", False, bool, "MTP speculative decoding.", off="--no-speculative"),
-    ServeFlag("num_drafts", None, int, "Drafts per verify [MODEL.toml default_num_drafts, else 1]; K = drafts + 1."),
-    ServeFlag("mtp_max_seqs", None, int, "MTP dispatch cap, 1..=128 [MODEL.toml mtp_max_seqs, else 32]."),
-    ServeFlag(
-        "mtp_k_ladder", None, str, "K ladder n_max:drafts,... [4:3,8:3,16:1,32:1]: drafts at n active sequences."
-    ),
-    ServeFlag("kv_cache_dtype", None, str, "KV-cache dtype bf16|fp8|f32 [MODEL.toml default_kv_dtype, else fp8]."),
-    ServeFlag("ssm_h_dtype", None, str, "Recurrent h-state pool dtype f32|f16-pool [f32]."),
-    ServeFlag("ssm_rollback_mode", "snapshot", str, "Verify rollback: snapshot (per-draft states) or replay."),
-    ServeFlag("max_prefill_tokens", 8192, int, "Prefill chunk in tokens (8192 = unset)."),
-    ServeFlag(
-        "enable_prefix_caching", False, bool, "Prefix caching (with SSM snapshots).", off="--disable-prefix-caching"
-    ),
-    ServeFlag("ssm_cache_slots", 16, int, "Prefix-cache SSM snapshot (Marconi) slots."),
-    ServeFlag("ssm_decode_ring_slots", "auto", str, "Decode-rollback ring depth: auto or 0..=8."),
-    ServeFlag("gpu_memory_utilization", 0.90, float, "Fraction of device memory to use, in (0, 1]."),
-    ServeFlag("tensor_parallel_size", 1, int, "Devices the heads are sharded over (divides KV and GDN key heads)."),
-    ServeFlag("expert_parallel_size", 1, int, "Devices the MoE experts are sharded over (divides the experts)."),
+#: Every serve setting (an `EngineSettings` field, or `mtp_k_ladder`: the K ladder as text) and its
+#: default when not given, in the order the provenance table lists them.
+SERVE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "max_batch_size": "8",
+        "max_seq_len": 32768,
+        "block_size": 16,
+        "speculative": False,
+        "num_drafts": None,
+        "mtp_max_seqs": None,
+        "mtp_k_ladder": None,
+        "kv_cache_dtype": None,
+        "ssm_h_dtype": None,
+        "ssm_rollback_mode": "snapshot",
+        "max_prefill_tokens": 8192,
+        "enable_prefix_caching": False,
+        "ssm_cache_slots": 16,
+        "ssm_decode_ring_slots": "auto",
+        "gpu_memory_utilization": 0.90,
+        "tensor_parallel_size": 1,
+        "expert_parallel_size": 1,
+    }
 )
-SERVE_SETTINGS: frozenset[str] = frozenset(f.name for f in SERVE_FLAGS)
+
+
+def option_of(setting: str) -> str:
+    """How messages and the provenance table name a serve setting: as its command-line option
+    (`max_seq_len` -> `--max-seq-len`)."""
+    return "--" + setting.replace("_", "-")
 
 
 def parse_k_ladder(spec: str) -> KLadder:
@@ -229,18 +216,18 @@ def _count_or_keyword(flag: str, text: str, keyword: str, low: int, high: int) -
 def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_slots: int) -> EngineSettings:
     """Resolve raw serve flags into `EngineSettings`.
 
-    `raw` maps the flags that were given (parameter names, values parsed as each flag's `type`)
-    to values; absent names take the flag's default (rule "engine default"), unknown names are
-    refused. `behavior` is the model's MODEL.toml `[behavior]` (None: absent). `auto_slots` is
-    what `--max-batch-size auto` resolves to (the caller's fit; 1..=128). Raises `SettingsError`
-    listing every violation.
+    `raw` maps the settings that were given (names of `SERVE_DEFAULTS`, values typed as the CLI
+    parses them: `metrale_jax_cli.serve_flags`) to values; absent names take their default (rule
+    "engine default"), unknown names are refused. `behavior` is the model's MODEL.toml
+    `[behavior]` (None: absent). `auto_slots` is what `--max-batch-size auto` resolves to (the
+    caller's fit; 1..=128). Raises `SettingsError` listing every violation.
     """
     if not 1 <= auto_slots <= AUTO_MAX_SLOTS:
         raise ValueError(f"auto_slots {auto_slots} is outside 1..={AUTO_MAX_SLOTS}")
-    unknown = sorted(set(raw) - SERVE_SETTINGS)
+    unknown = sorted(set(raw) - SERVE_DEFAULTS.keys())
     if unknown:
         raise SettingsError([f"unknown serve setting {name!r}" for name in unknown])
-    v = {f.name: raw.get(f.name, f.default) for f in SERVE_FLAGS}
+    v = {name: raw.get(name, default) for name, default in SERVE_DEFAULTS.items()}
     b = behavior or Behavior()
     errors: list[str] = []
     eff: dict[str, Any] = {}
@@ -264,7 +251,7 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
         ("expert_parallel_size", 1),
     ):
         if v[name] < low:
-            errors.append(f"--{name.replace('_', '-')} must be >= {low}, got {v[name]}")
+            errors.append(f"{option_of(name)} must be >= {low}, got {v[name]}")
         eff[name] = v[name]
     spec = eff["speculative"] = bool(v["speculative"])
     eff["enable_prefix_caching"] = bool(v["enable_prefix_caching"])
@@ -325,7 +312,7 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
         raise SettingsError(errors)
     shown = {**eff, "mtp_k_ladder": format_k_ladder(eff["mtp_k_ladder"])}
     provenance = tuple(
-        Provenance(f.opt, _shown(raw.get(f.name)), _shown(shown[f.name]), rule[f.name]) for f in SERVE_FLAGS
+        Provenance(option_of(name), _shown(raw.get(name)), _shown(shown[name]), rule[name]) for name in SERVE_DEFAULTS
     )
     fields = {("k_ladder" if k == "mtp_k_ladder" else k): val for k, val in eff.items()}
     return EngineSettings(**fields, provenance=provenance)

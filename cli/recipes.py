@@ -2,8 +2,8 @@
 
 Owns: the recipe schema (parse and validate), rendering a recipe's `defaults` as serve flags,
 and run-time flag overrides (`override_flags`, `serve_argv`). The final argv is parsed by the
-CLI's serve options (`metrale_jax_cli.serve_flags.parse_serve_argv`); the flags a recipe may
-name are those of `metrale_jax.engine.settings.SERVE_FLAGS`.
+serve options (`metrale_jax_cli.serve_flags.parse_serve_argv`); the flags a recipe may name are
+those of `metrale_jax_cli.serve_flags.SERVE_FLAGS`.
 
 Invariants:
 - A recipe is refused whole: unknown top-level keys, missing required keys, non-scalar
@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from metrale_jax.engine.settings import SERVE_FLAGS
 from metrale_jax.errors import MetraleError, read_text
+from metrale_jax_cli.serve_flags import SERVE_FLAGS
 
 #: The repository's own recipes (the `--root` default of the commands that read recipes).
 REPO_RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
