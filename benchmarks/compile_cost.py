@@ -31,7 +31,7 @@ from benchmarks import models
 from benchmarks.settings import Settings
 from benchmarks.timing import CompileCounter, Stats
 from metrale_jax.engine.engine import Engine
-from metrale_jax.model.layout import layer_period
+from metrale_jax.model.layer_groups import layer_period
 
 #: The benchmark's layout names -> the engine's.
 ENGINE_LAYOUTS = {"scan": "scan", "unrolled": "list"}

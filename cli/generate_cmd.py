@@ -3,7 +3,7 @@ text, what the drafter did (acceptance by draft position, tokens per verify), an
 went (compiling, then the steady state).
 
 Owns only argument handling, the request's up-front checks and printing; the decoding is
-`metrale_jax.engine.speculative`, the statistics `metrale_jax.research.Run`, the text
+`metrale_jax.engine.speculative`, the statistics `metrale_jax.research.ScheduleRun`, the text
 `metrale_jax.tokenizer`, the progress bar `metrale_jax.diff.progress.Bar`.
 
 Invariants:
@@ -42,13 +42,13 @@ from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, specu
 from metrale_jax.memory.plan import require_room, serve_pools
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax.presets_data import PRESET_DIRS
-from metrale_jax.research import Run
+from metrale_jax.research import ScheduleRun
 from metrale_jax.tokenizer import tokenizer_for
 from metrale_jax_cli.errors import UsageError, user_errors
 from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
 
-def _acceptance_lines(run: Run) -> list[str]:
+def _acceptance_lines(run: ScheduleRun) -> list[str]:
     s = run.summary()
     lines = [
         f"verify steps: {s['steps']} after the prefill ({s['mean_accepted_length']:.2f} tokens and "
@@ -186,7 +186,7 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
         if settings.speculative:
             schedule = DraftSchedule(settings.num_drafts, settings.k_ladder, confidence_stop)
             res = speculative_generate(engine, [ids], max_new_tokens, schedule, fused=step == "fused", progress=clock)
-            run = Run.from_generations(schedule, 1, max_new_tokens, [([0], res)])
+            run = ScheduleRun.from_generations(schedule, 1, max_new_tokens, [([0], res)])
             out = res.tokens[0]
         else:
             out = greedy_generate(engine, [ids], max_new_tokens, progress=clock)[0]

@@ -2,7 +2,7 @@
 a schedule, get tidy per-step and per-sequence records, and summarise them.
 
 Owns: `Study` (a model and the engines its runs share, so a sweep compiles each program once),
-the schedule constructors (`flat_schedule`, `ladder_schedule`), `Run` (the tidy arrays) with its
+the schedule constructors (`flat_schedule`, `ladder_schedule`), `ScheduleRun` (the tidy arrays) with its
 summaries (mean accepted length, acceptance by draft position, tokens per verify row, confidence
 calibration, the trade-off of a confidence cut-off), `Study.sweep`, the wall-clock measurement
 (`Study.throughput` -> `Throughput`, on `Study.serving` engines, each sized as a serve, and
@@ -73,7 +73,7 @@ class Calibration:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class ScheduleRun:
     """One schedule over one prompt set. Step rows: one per (verify step, active sequence),
     in order; D = `schedule.num_drafts` draft positions.
 
@@ -109,7 +109,7 @@ class Run:
         width: int,
         max_new_tokens: int,
         parts: Sequence[tuple[Sequence[int], GenerationResult]],
-    ) -> Run:
+    ) -> ScheduleRun:
         """Tidy the results of `speculative_generate` calls under `schedule`: part g is
         (the prompt indices it ran, in order; its result). Prompts are 0..P-1 over all parts."""
         d = schedule.num_drafts
@@ -381,7 +381,7 @@ class Study:
         schedule: DraftSchedule,
         width: int | None = None,
         fused: bool = True,
-    ) -> Run:
+    ) -> ScheduleRun:
         """Greedy speculative decoding of `max_new_tokens` per prompt, `width` prompts at a time
         (default: all at once), under `schedule`, each step `fused` or composed. Raises ValueError for a schedule over
         `max_drafts` or a run that does not fit the study's engine."""
@@ -392,7 +392,7 @@ class Study:
             (idx, speculative_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, schedule, fused=fused))
             for idx in groups
         ]
-        return Run.from_generations(schedule, width, max_new_tokens, parts)
+        return ScheduleRun.from_generations(schedule, width, max_new_tokens, parts)
 
     def greedy(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, width: int | None = None

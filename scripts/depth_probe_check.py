@@ -26,7 +26,7 @@ from metrale_jax.engine.capacity import pool_counts  # noqa: E402
 from metrale_jax.engine.settings import resolve_settings  # noqa: E402
 from metrale_jax.memory.activations import ActivationModel  # noqa: E402
 from metrale_jax.memory.source import resolve_model  # noqa: E402
-from metrale_jax.model.layout import layer_groups  # noqa: E402
+from metrale_jax.model.layer_groups import layer_groups  # noqa: E402
 from metrale_jax.presets import parse_dtype  # noqa: E402
 from metrale_jax_cli.model_toml import load_behavior  # noqa: E402
 from metrale_jax_cli.recipes import REPO_RECIPES_DIR, serve_argv  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, os.getcwd())
 
 from benchmarks.models import config  # noqa: E402
 from metrale_jax.model import mlp  # noqa: E402
-from metrale_jax.model.backend_layout import backend_layout  # noqa: E402
+from metrale_jax.model.weight_layout import backend_layout  # noqa: E402
 from metrale_jax.params import init_params  # noqa: E402
 
 ROUNDS, REPS = 15, 5

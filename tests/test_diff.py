@@ -35,7 +35,7 @@ from metrale_jax.diff import (
     to_json,
 )
 from metrale_jax.diff import variants as variants_mod
-from metrale_jax.diff.compare import Part, Run, compare, median_after_first, without_rows
+from metrale_jax.diff.compare import Part, Recording, compare, median_after_first, without_rows
 from metrale_jax.diff.prompts import batch_prompts, prompt_of_len, prompts
 from metrale_jax.diff.schedule import (
     accept_coverage,
@@ -118,7 +118,7 @@ def test_prompts_are_fixed_lcg_streams():
 
 def _run(*steps, prefill=None):
     pre = [Part("logits", np.zeros((1, 4), np.float32) if prefill is None else prefill, "logits")]
-    return Run(pre, [[Part("logits", np.asarray(s, np.float32), "logits")] for s in steps])
+    return Recording(pre, [[Part("logits", np.asarray(s, np.float32), "logits")] for s in steps])
 
 
 def test_compare_locates_the_first_difference_with_hex_and_ulp():
@@ -142,7 +142,7 @@ def test_a_bounded_contract_fails_past_its_bound_or_on_an_argmax_change():
     assert ok.ok and ok.mismatched_steps == 1 and not compare("v", a, near, BIT_IDENTICAL).ok
     assert compare("v", a, flipped, bounded(1.0, "test")).first_violation["why"] == "argmax differs"
     assert "|Δ| >" in compare("v", a, far, loose).first_violation["why"]
-    short = Run(a.prefill, [])
+    short = Recording(a.prefill, [])
     assert not compare("v", a, short, loose).ok, "a missing step breaks every contract"
 
 

@@ -26,7 +26,7 @@ from metrale_jax.memory.activations import CACHE_ENV, ActivationModel, source_fi
 from metrale_jax.memory.devices import find_device
 from metrale_jax.memory.plan import Planner, Workload
 from metrale_jax.memory.source import resolve_model
-from metrale_jax.model.layout import layer_groups, layer_period, truncate_groups
+from metrale_jax.model.layer_groups import layer_groups, layer_period, truncate_groups
 from metrale_jax.presets import PRESETS, resolve_checkpoint
 from metrale_jax_cli.memory_cmd import memory, plan
 from metrale_jax_cli.recipes import REPO_RECIPES_DIR

@@ -12,8 +12,8 @@ from benchmarks.models import model, settings
 from metrale_jax.engine.engine import Engine
 from metrale_jax.model import linear as lin
 from metrale_jax.model import mlp
-from metrale_jax.model.backend_layout import checkpoint_layout
-from metrale_jax.model.layout import arrange_layers, layer_groups
+from metrale_jax.model.layer_groups import arrange_layers, layer_groups
+from metrale_jax.model.weight_layout import checkpoint_layout
 from metrale_jax.params import init_params
 from metrale_jax.presets import TINY
 
@@ -109,7 +109,7 @@ def test_the_cpu_engine_holds_experts_one_leaf_each_where_one_row_runs_pairs(mon
     arranged = jax.tree_util.tree_leaves(arrange_layers(params, cfg, layout))
     for a, b in zip(jax.tree_util.tree_leaves(checkpoint_layout(eng.params)), arranged, strict=True):
         np.testing.assert_array_equal(a, b)
-    monkeypatch.setattr("metrale_jax.model.backend_layout.expert_leaves_apply", lambda cfg: False)
+    monkeypatch.setattr("metrale_jax.model.weight_layout.expert_leaves_apply", lambda cfg: False)
     stacked = Engine(cfg, params, flags, layout=layout)
     prompt = RNG.integers(0, cfg.vocab_size, 24).tolist()
     outs = []

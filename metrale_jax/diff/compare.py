@@ -1,6 +1,6 @@
 """What a diff run records, and the one comparison of a replay against the reference.
 
-Owns: `Part` (one named array a run produced), `Run` (a run's prefill parts, its per-step parts
+Owns: `Part` (one named array a run produced), `Recording` (a run's prefill parts, its per-step parts
 and its timings), `Contract` (what a variant promises: bit-identical, or bounded by a declared
 relative tolerance with every argmax equal), `diff_part` (one part pair, element by element)
 and `compare` (a whole run against the reference, step by step). How a difference is worded is
@@ -45,8 +45,8 @@ class Part:
 
 
 @dataclasses.dataclass
-class Run:
-    """One run: the parts after the prefill, the parts after each step, and per-step wall times
+class Recording:
+    """What one run recorded: the parts after the prefill, the parts after each step, and per-step wall times
     (`enqueue_ms`: the forward call alone; `step_ms`: the whole step, verdict and propose
     included)."""
 
@@ -241,7 +241,7 @@ class Comparison:
         return dataclasses.asdict(self)
 
 
-def compare(variant: str, reference: Run, run: Run, contract: Contract) -> Comparison:
+def compare(variant: str, reference: Recording, run: Recording, contract: Contract) -> Comparison:
     """`run` against `reference`: the prefill parts, then every step's parts, under `contract`."""
     units: list[tuple[Step, list[Part], list[Part]]] = [("prefill", reference.prefill, run.prefill)]
     units += [(s, a, b) for s, (a, b) in enumerate(zip(reference.steps, run.steps))]
@@ -299,7 +299,7 @@ def saw_difference(c: Comparison) -> bool:
     return c.mismatched_steps > 0
 
 
-def without_rows(run: Run, rows: Sequence[int]) -> Run:
+def without_rows(run: Recording, rows: Sequence[int]) -> Recording:
     """`run` with rows `rows` (axis 0 of every part) left out, prefill and steps alike."""
     if not rows:
         return run
@@ -307,7 +307,7 @@ def without_rows(run: Run, rows: Sequence[int]) -> Run:
     def keep(parts):
         return [dataclasses.replace(p, data=np.delete(p.data, list(rows), axis=0)) for p in parts]
 
-    return Run(keep(run.prefill), [keep(s) for s in run.steps], run.enqueue_ms, run.step_ms)
+    return Recording(keep(run.prefill), [keep(s) for s in run.steps], run.enqueue_ms, run.step_ms)
 
 
 def median_after_first(xs: Sequence[float]) -> float | None:
@@ -316,7 +316,7 @@ def median_after_first(xs: Sequence[float]) -> float | None:
     return v[len(v) // 2] if v else None
 
 
-def timing(variant: str, run: Run) -> dict:
+def timing(variant: str, run: Recording) -> dict:
     return {
         "variant": variant,
         "enqueue_ms_median": median_after_first(run.enqueue_ms),

@@ -33,7 +33,7 @@ from metrale_jax.diff.compare import (
     BIT_IDENTICAL,
     Comparison,
     Part,
-    Run,
+    Recording,
     compare,
     diff_part,
     diff_parts,
@@ -41,12 +41,12 @@ from metrale_jax.diff.compare import (
     timing,
     without_rows,
 )
-from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.oracle import broke_from
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import describe, failure_line
 from metrale_jax.diff.schedule import control_row
+from metrale_jax.diff.slot_layout import SequenceBatch
 from metrale_jax.diff.state import perturbed, state_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, compare_all, replay_all, selected
 from metrale_jax.engine.inputs import SwapRecord
@@ -66,7 +66,7 @@ class Decoded:
     records and where each sequence moved."""
 
     tokens: list[list[int]]
-    run: Run
+    run: Recording
     records: list[SwapRecord] = dataclasses.field(default_factory=list)
     moves: list[dict] = dataclasses.field(default_factory=list)
     final: list[SwapRecord] = dataclasses.field(default_factory=list)
@@ -86,7 +86,7 @@ def run_decode(
     """Prefill `rows` (one sequence each, batch order), then `steps` `decode_batch` steps.
     tokens: per row, the steps + 1 tokens to feed (None: greedy from the run's own logits);
     `final`: also save every sequence's state record after the last step (`Decoded.final`)."""
-    out = Decoded(tokens=[], run=Run(prefill=[]))
+    out = Decoded(tokens=[], run=Recording(prefill=[]))
     with SequenceBatch(engine, len(rows), fragment) as batch:
         first = batch.prefill(rows)
         out.run.prefill = [Part("logits", first, "logits")]
@@ -197,12 +197,12 @@ def diff_widths(
     return {"fragment_slots": fragment, "widths": sections}, reasons
 
 
-def _left_out(reference: Run, run: Run, contract) -> list[int]:
+def _left_out(reference: Recording, run: Recording, contract) -> list[int]:
     """Rows whose prefill logits break `contract`."""
     return [int(i) for i in np.nonzero(diff_part(reference.prefill[0], run.prefill[0], contract).bad_rows)[0]]
 
 
-def _row_deltas(reference: Run, run: Run, rows: Sequence[int]) -> list[dict]:
+def _row_deltas(reference: Recording, run: Recording, rows: Sequence[int]) -> list[dict]:
     """{row, bytes, max_abs, argmax_equal} of each left-out row's prefill logits."""
     out = []
     for i in rows:
@@ -273,9 +273,9 @@ def _never_spilled(engine, v: Variant, prompt, ref: Decoded, at: int, progress: 
     blocks differ).
     Returns (comparison, control: the same with the token of step `at` changed)."""
 
-    def with_final(d: Decoded) -> Run:
+    def with_final(d: Decoded) -> Recording:
         steps = d.run.steps[:-1] + [d.run.steps[-1] + state_parts(engine.cfg, d.final[0])]
-        return Run(prefill=d.run.prefill, steps=steps)
+        return Recording(prefill=d.run.prefill, steps=steps)
 
     def never(tokens):
         with selected(engine, v.forward):

@@ -22,7 +22,7 @@ with the reference's committed view:
   with the drafter, the propose's last-draft logits, drafts and confidences.
 
 Contract (`oracle_contract`): bounded, `ORACLE_RTOL` times each part's max |ref| (the prefill is
-one pass against the reference's chunks of `layout.PREFILL_CHUNK`, a verify's rows are one
+one pass against the reference's chunks of `slot_layout.PREFILL_CHUNK`, a verify's rows are one
 program and a decode's another: XLA CPU fuses and rounds them differently), every argmax equal
 and every token (drafts, committed tokens) exact; a structural difference (a sequence whose
 host length or drafter length differs) breaks it. With a KV cache (or model) narrower than
@@ -44,9 +44,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from metrale_jax.diff.compare import Comparison, Contract, Part, Run, bounded, compare
-from metrale_jax.diff.layout import SequenceBatch
+from metrale_jax.diff.compare import Comparison, Contract, Part, Recording, bounded, compare
 from metrale_jax.diff.schedule import offsets
+from metrale_jax.diff.slot_layout import SequenceBatch
 from metrale_jax.diff.state import state_parts
 
 #: The oracle variant's label (and its engine forward is the reference's).
@@ -82,7 +82,7 @@ class Committed:
     nexts: tuple[int, ...]
 
 
-def committed_steps(log, run: Run, ks: Sequence[int]) -> list[Committed]:
+def committed_steps(log, run: Recording, ks: Sequence[int]) -> list[Committed]:
     """The reference's committed tokens per step, from its `verify.Logged` steps and its run
     (part 0 of a step: the flat verify logits)."""
     off, out = offsets(ks), []
@@ -98,12 +98,12 @@ def _seq_parts(cfg, i: int, records) -> list[Part]:
     return [dataclasses.replace(p, name=f"seq {i} {p.name}") for p in state_parts(cfg, records[i])]
 
 
-def committed_view(cfg, run: Run, log, ks: Sequence[int], states: Sequence[list], drafter: bool) -> Run:
+def committed_view(cfg, run: Recording, log, ks: Sequence[int], states: Sequence[list], drafter: bool) -> Recording:
     """The reference verify `run` cut to what the plain path reproduces (module docstring).
     states[0]: each sequence's `save_sequence_state` record after the prefill; states[s + 1]:
     after step s (after its propose and trim)."""
     off = offsets(ks)
-    view = Run(prefill=[run.prefill[0]] + [p for i in range(len(ks)) for p in _seq_parts(cfg, i, states[0])])
+    view = Recording(prefill=[run.prefill[0]] + [p for i in range(len(ks)) for p in _seq_parts(cfg, i, states[0])])
     for s, (logged, parts) in enumerate(zip(log, run.steps)):
         step = []
         for i, a in enumerate(logged.accepted):
@@ -120,15 +120,15 @@ def run_oracle(
     *,
     fragment: bool = False,
     num_drafts: int | None = None,
-) -> Run:
+) -> Recording:
     """The plain-path replay of `steps` for prompts `rows` (module docstring), in the slot layout
-    of the reference (`SequenceBatch`): a `Run` shaped like `committed_view`'s."""
+    of the reference (`SequenceBatch`): a `Recording` shaped like `committed_view`'s."""
     cfg, n = engine.cfg, len(rows)
     with SequenceBatch(engine, n, fragment) as batch:
         seqs = batch.seqs
         first = np.stack([engine.prefill(q, p) for q, p in zip(seqs, rows)])
         records = [engine.save_sequence_state(q) for q in seqs]
-        run = Run(
+        run = Recording(
             prefill=[Part("logits", first, "logits")] + [p for i in range(n) for p in _seq_parts(cfg, i, records)]
         )
         for c in steps:
@@ -178,7 +178,7 @@ def oracle_comparison(
     rows,
     ks,
     log,
-    ref: Run,
+    ref: Recording,
     states,
     contract: Contract,
     *,

@@ -27,12 +27,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Run, bounded, combine, compare, diff_parts
-from metrale_jax.diff.layout import SequenceBatch, private_namespace
+from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Recording, bounded, combine, compare, diff_parts
 from metrale_jax.diff.progress import Progress
 from metrale_jax.diff.prompts import prompt_of_len
 from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.request import CACHED_MIN_TOKENS, CACHED_TAIL
+from metrale_jax.diff.slot_layout import SequenceBatch, private_namespace
 from metrale_jax.diff.state import digests, state_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, selected
 from metrale_jax.engine.engine import Engine
@@ -41,7 +41,7 @@ from metrale_jax.engine.engine import Engine
 CHUNK_RTOL = 1e-3
 
 
-def run_prefill(engine: Engine, prompt: Sequence[int], chunk: int | None) -> tuple[Run, float]:
+def run_prefill(engine: Engine, prompt: Sequence[int], chunk: int | None) -> tuple[Recording, float]:
     """Prefill `prompt` into a fresh sequence `chunk` tokens at a time (None: the serve's
     chunk). Returns (run with the logits and state parts as its prefill, prefill ms)."""
     with SequenceBatch(engine, 1) as batch:
@@ -49,12 +49,12 @@ def run_prefill(engine: Engine, prompt: Sequence[int], chunk: int | None) -> tup
         logits = engine.prefill(batch.seqs[0], prompt, chunk)
         ms = (time.perf_counter() - t0) * 1e3
         record = engine.save_sequence_state(batch.seqs[0])
-    return Run(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), ms
+    return Recording(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), ms
 
 
 def _prefilled_run(
     engine: Engine, parts: Sequence[Sequence[int]], chunk: int | None, namespace: str
-) -> tuple[Run, int]:
+) -> tuple[Recording, int]:
     """A fresh sequence of `namespace` prefilled with each of `parts` in turn: (its run, the last
     prefill's logits and the state parts; the position its first prefill restored from, 0: none)."""
     with SequenceBatch(engine, 1, namespace=namespace) as batch:
@@ -64,7 +64,7 @@ def _prefilled_run(
         for p in parts[1:]:
             logits = engine.prefill(seq, p, chunk)
         record = engine.save_sequence_state(seq)
-    return Run(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), at
+    return Recording(prefill=[Part("logits", logits[None], "logits")] + state_parts(engine.cfg, record)), at
 
 
 def cached_leg(engine: Engine, v: Variant, name: str, chunk: int | None, prompt: list[int], tail: list[int]):
@@ -97,16 +97,16 @@ def _splits(length: int, chunk: int | None, cap: int) -> tuple[int, ...]:
     return tuple(min(c, length - o) for o in range(0, length, c))
 
 
-def _first_state_diff(reference: Run, run: Run) -> str | None:
+def _first_state_diff(reference: Recording, run: Recording) -> str | None:
     """The first state part (model layer order) whose bytes differ, or None."""
     states = [p for p in reference.prefill if p.name != "logits"]
     diffs = diff_parts(states, [p for p in run.prefill if p.name != "logits"], BIT_IDENTICAL)
     return next((p.name for p, d in zip(states, diffs) if d.differing_bytes), None)
 
 
-def _outputs(run: Run) -> Run:
+def _outputs(run: Recording) -> Recording:
     """`run` without its input tokens, so a control is judged on what the model computed."""
-    return Run(prefill=[p for p in run.prefill if p.name != "tokens"])
+    return Recording(prefill=[p for p in run.prefill if p.name != "tokens"])
 
 
 def diff_prefill(

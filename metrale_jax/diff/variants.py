@@ -39,7 +39,7 @@ from typing import Literal
 
 import jax
 
-from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Run, bounded, compare, timing
+from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Contract, Recording, bounded, compare, timing
 from metrale_jax.diff.oracle import ORACLE, ORACLE_CONTRACT, oracle_contract
 from metrale_jax.engine.engine import FORWARDS, make_ops
 from metrale_jax.engine.sharding import make_mesh
@@ -182,7 +182,7 @@ def replay_all[T](engine, variants: Sequence[Variant], replay: Callable[[], T]) 
 
 
 def compare_all(
-    variants: Sequence[Variant], reference: Run, runs: Sequence[Run]
+    variants: Sequence[Variant], reference: Recording, runs: Sequence[Recording]
 ) -> tuple[list[Comparison], list[dict]]:
     """Each variant's run against `reference` under its contract: (comparisons, timings), the
     reference's timing first."""

@@ -44,9 +44,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Part, Run, compare, saw_difference, timing
+from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Part, Recording, compare, saw_difference, timing
 from metrale_jax.diff.decode import run_decode
-from metrale_jax.diff.layout import SequenceBatch
 from metrale_jax.diff.oracle import broke_from, oracle_comparison
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
@@ -61,6 +60,7 @@ from metrale_jax.diff.schedule import (
     slot_of,
     step_drafts,
 )
+from metrale_jax.diff.slot_layout import SequenceBatch
 from metrale_jax.diff.state import pool_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, selected
 from metrale_jax.engine.speculative import accepted_drafts as accepted
@@ -86,7 +86,7 @@ def run_verify(
     num_drafts: int | None = None,
     states: list | None = None,
     progress: Progress = SILENT,
-) -> tuple[list[Logged], Run]:
+) -> tuple[list[Logged], Recording]:
     """One run of `steps` verify steps of `rows` at widths `ks` (see the module docstring).
     Exactly one of `greedy` (reference: drafts from each row's greedy continuation, accepts
     from the verify's argmax) and `log` (replay) is given; `num_drafts` turns the drafter on.
@@ -96,7 +96,7 @@ def run_verify(
         raise ValueError("run_verify needs exactly one of greedy and log")
     vocab, n, off = engine.cfg.vocab_size, len(rows), offsets(ks)
     out: list[Logged] = []
-    run = Run(prefill=[])
+    run = Recording(prefill=[])
     with SequenceBatch(engine, n, fragment) as batch:
         seqs = batch.seqs
         first = batch.prefill(rows)
@@ -157,12 +157,12 @@ def run_fused(
     num_drafts: int | None = None,
     changed: tuple[int, int] | None = None,
     progress: Progress = SILENT,
-) -> tuple[Run, Run]:
+) -> tuple[Recording, Recording]:
     """The fused step in lock-step with the composed one over the reference's `log` (see the
     module docstring): (composed run, fused run). `changed` = (step, flat row): the fused side of
     that step verifies that row's token bumped by one (the control)."""
     n, off, nd = len(rows), offsets(ks), num_drafts or 0
-    composed, fused = Run(prefill=[]), Run(prefill=[])
+    composed, fused = Recording(prefill=[]), Recording(prefill=[])
     with SequenceBatch(engine, n, fragment) as batch:
         seqs = batch.seqs
         first = batch.prefill(rows)

@@ -71,8 +71,8 @@ from metrale_jax.engine.sharding import (
     shard_params,
     unshard_params,
 )
-from metrale_jax.model.backend_layout import backend_layout, checkpoint_layout
-from metrale_jax.model.layout import arrange_layers
+from metrale_jax.model.layer_groups import arrange_layers
+from metrale_jax.model.weight_layout import backend_layout, checkpoint_layout
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
 #: The prefix-cache namespace of a serve's sequences (`Engine.default_namespace`).

@@ -182,7 +182,7 @@ class PrefixCache:
         self.kv = BlockCache("KV")
         self.draft = BlockCache("drafter KV")
         self.snapshots = SnapshotTable(snapshot_slots)
-        self.lookups = self.hits = 0
+        self.hits = 0
 
     def kv_keys(self, namespace: str, tokens: Sequence[int]) -> list[Key]:
         return chain_keys(namespace, TRUNK, tokens, self.block_size)
@@ -200,8 +200,7 @@ class PrefixCache:
     def longest(self, namespace: str, tokens: Sequence[int]) -> Hit | None:
         """The longest restorable prefix of `tokens` shorter than all of it (a prefill computes at
         least one token): a snapshot at a block-aligned position p whose KV blocks (and drafter
-        blocks) are all still cached. Touches what it returns in the LRUs; counts the lookup."""
-        self.lookups += 1
+        blocks) are all still cached. Touches what it returns in the LRUs; counts a hit."""
         keys = self.kv_keys(namespace, tokens[: len(tokens) - 1])
         for j in range(len(keys) - 1, -1, -1):
             snap = self.snapshots.peek(keys[j])

@@ -84,7 +84,7 @@ class GenerationResult:
 
 #: Called after the prefill and after every step with the tokens emitted so far, all sequences
 #: together (each counted up to max_new_tokens).
-Progress = Callable[[int], None]
+OnStep = Callable[[int], None]
 
 
 def accepted_drafts(rows: Sequence[int], argmax: Sequence[int]) -> int:
@@ -101,11 +101,11 @@ def _emitted(out: Sequence[Sequence[int]], max_new_tokens: int) -> int:
 
 
 def greedy_generate(
-    engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, progress: Progress | None = None
+    engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, progress: OnStep | None = None
 ) -> list[list[int]]:
     """Plain greedy decoding of all prompts as one batch (decode_batch). Returns the first
     max_new_tokens generated tokens of each prompt (the prefill's argmax first); `progress` as
-    `Progress` says."""
+    `OnStep` says."""
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
         out = [[int(engine.prefill(s, p).argmax())] for s, p in zip(seqs, prompts)]
@@ -134,7 +134,7 @@ def speculative_generate(
     draft_source: DraftSource | None = None,
     *,
     fused: bool = True,
-    progress: Progress | None = None,
+    progress: OnStep | None = None,
 ) -> GenerationResult:
     """Greedy generation verified in batches.
 
@@ -144,7 +144,7 @@ def speculative_generate(
     [last, drafts...], at most min(schedule at the active width, slot capacity) drafts, cut at the
     confidence stop. `fused` runs each step as `Engine.speculative_step` (the composed step under
     replay rollback, which the fused program does not implement); otherwise verify, host
-    acceptance, `Engine.accept` and the propose run one by one. `progress` as `Progress` says.
+    acceptance, `Engine.accept` and the propose run one by one. `progress` as `OnStep` says.
     """
     fused = fused and not engine.replay
     propose = draft_source is None and engine.drafter

@@ -37,7 +37,7 @@ Invariants:
   whose scratch XLA packs differently at few blocks (tests/test_memory_activations.py bounds an
   interpolated probe against the program compiled at its own shapes).
 - A probe that changes the slot count (`--slots auto`) is a new family: compiled at its shapes.
-- A model of G >= 3 layer groups (`model.layout.layer_groups`) is compiled at its first group and
+- A model of G >= 3 layer groups (`model.layer_groups.layer_groups`) is compiled at its first group and
   its first two (`DEPTH_PROBE_GROUPS`, `truncate_groups`: same widths, MTP layers and counts),
   and each program's bytes at G groups are the affine extension of the two: t1 + (t2 - t1)(G - 1);
   a program that runs no trunk layer (`StepProgram.trunk_free`: the propose) at the first only.
@@ -98,8 +98,8 @@ from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
 from metrale_jax.memory.errors import PlanError
-from metrale_jax.model.backend_layout import backend_layout
-from metrale_jax.model.layout import arrange_layers, layer_groups, truncate_groups
+from metrale_jax.model.layer_groups import arrange_layers, layer_groups, truncate_groups
+from metrale_jax.model.weight_layout import backend_layout
 from metrale_jax.params import init_params
 
 #: The environment variable naming the cache directory (default `$XDG_CACHE_HOME` or

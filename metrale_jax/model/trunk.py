@@ -43,7 +43,7 @@ def trunk(params, cfg: ModelConfig, tokens, io, state):
     """tokens [B, T] int32 -> (hidden [B, T, Hd] before the final norm, new state).
 
     params may be in list layout (`layers`) or scan layout (`layer_groups`, see
-    `metrale_jax.model.layout`): the scan loops over groups with the state in the carry, and each
+    `metrale_jax.model.layer_groups`): the scan loops over groups with the state in the carry, and each
     layer addresses its state by (group * layers of its kind per group + its rank in the group).
     """
     chex.assert_rank(tokens, 2)

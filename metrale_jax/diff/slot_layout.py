@@ -8,7 +8,7 @@ Invariants:
 - The engine's slot free list is a stack, so freeing in reverse allocation order hands the next
   run the same slots in the same order: every run of a diff sees one slot layout.
 - Sequence i sits on `schedule.slot_of(i, n, fragment)`; anything else means another live
-  sequence shares the engine, and the run refuses to start (`LayoutError`).
+  sequence shares the engine, and the run refuses to start (`SlotLayoutError`).
 - Every sequence (spare and spacer included) is freed on exit, also when the run raises.
 - With prefix caching on, every batch's sequences get a namespace of their own (a fresh counter
   value unless the caller names one), so no run restores another run's KV or snapshot.
@@ -40,7 +40,7 @@ def private_namespace() -> str:
     return f"diff-run-{next(_RUNS)}"
 
 
-class LayoutError(MetraleError, RuntimeError):
+class SlotLayoutError(MetraleError, RuntimeError):
     """The engine's slots are not where a diff run needs them (another sequence is live)."""
 
 
@@ -67,7 +67,7 @@ class SequenceBatch:
                     self._alloc()
                 seq = self._alloc()
                 if seq.slot != slot_of(i, self.n, self.fragment):
-                    raise LayoutError(
+                    raise SlotLayoutError(
                         f"sequence {i} took slot {seq.slot}, not {slot_of(i, self.n, self.fragment)}: "
                         "another sequence is live on this engine"
                     )

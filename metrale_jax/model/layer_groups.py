@@ -1,6 +1,6 @@
 """The two layouts of the layer stack's parameters, and the layer groups of the scan layout.
 
-Owns: `Layout` (`list`: `layers`, one parameter tree per layer, the default; `scan`:
+Owns: `StackLayout` (`list`: `layers`, one parameter tree per layer, the default; `scan`:
 `layer_groups`, the repeated groups stacked so the trunk compiles one group body and loops over
 it), `layer_period` (the repeating pattern of (mixer kind, MoE or dense) in a config),
 `stack_layer_groups` and `arrange_layers` (params in a named layout), `layer_groups` and
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import MetraleError
 
-Layout = Literal["list", "scan"]
-LAYOUTS: tuple[str, ...] = get_args(Layout)
+StackLayout = Literal["list", "scan"]
+STACK_LAYOUTS: tuple[str, ...] = get_args(StackLayout)
 
 
-class LayoutError(MetraleError, ValueError):
-    """A layout name that is not one of `LAYOUTS`."""
+class StackLayoutError(MetraleError, ValueError):
+    """A layout name that is not one of `STACK_LAYOUTS`."""
 
 
 def _signature(cfg: ModelConfig, i: int):
@@ -87,7 +87,7 @@ def stack_layer_groups(params: dict, cfg: ModelConfig) -> dict:
 
 def arrange_layers(params: dict, cfg: ModelConfig, layout: str) -> dict:
     """List-layout `params` in `layout`: unchanged for `list`, `stack_layer_groups` for `scan`.
-    Raises LayoutError for another name."""
-    if layout not in LAYOUTS:
-        raise LayoutError(f"unknown layout {layout!r} (choose from {', '.join(LAYOUTS)})")
+    Raises StackLayoutError for another name."""
+    if layout not in STACK_LAYOUTS:
+        raise StackLayoutError(f"unknown layout {layout!r} (choose from {', '.join(STACK_LAYOUTS)})")
     return stack_layer_groups(params, cfg) if layout == "scan" else params

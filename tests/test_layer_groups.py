@@ -10,7 +10,7 @@ from metrale_jax.config import FULL, LINEAR
 from metrale_jax.engine.engine import Engine
 from metrale_jax.errors import MetraleError
 from metrale_jax.model.cache import prefill_and_decode
-from metrale_jax.model.layout import arrange_layers, layer_period, stack_layer_groups
+from metrale_jax.model.layer_groups import arrange_layers, layer_period, stack_layer_groups
 from metrale_jax.params import init_params
 from metrale_jax.presets import TINY
 
