@@ -10,7 +10,8 @@ The cycle check reads the source instead (`ast`), so it also sees the imports an
 may never run: those inside functions and under `if TYPE_CHECKING:`. An edge is the project
 module an import statement names (`from p import m` names `p.m` when that is a module, else
 `p`); the parent packages Python also initialises are not edges (a package whose `__init__`
-re-exports its submodules would otherwise be a cycle by construction).
+re-exports its submodules would otherwise be a cycle by construction). An import by a computed
+name (`importlib.import_module`: the CLI's subcommands) is not an import statement and not seen.
 """
 
 from __future__ import annotations
@@ -169,10 +170,12 @@ def test_the_import_graph_is_a_dag_counting_lazy_and_type_checking_imports():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
-def test_the_graph_sees_every_kind_of_import():
-    """Control: the graph holds top-level, function-level and `TYPE_CHECKING` edges of the real tree."""
+def test_the_graph_is_not_vacuous():
+    """Control: the graph holds every module of the tree and their edges (each kind of import
+    statement is an edge: `test_a_planted_cycle_is_reported`)."""
     graph = import_graph(PACKAGES)
     assert "metrale_jax.engine.settings" in graph["metrale_jax_cli.serve_flags"]
+    assert "metrale_jax.engine.capacity" in graph["metrale_jax.engine.settings"]
     assert len(graph) > 100 and sum(map(len, graph.values())) > 300
 
 
