@@ -35,13 +35,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from metrale_jax.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from metrale_jax.model_registry import SMALL  # noqa: E402
 from metrale_jax.params import count_params  # noqa: E402
 from metrale_jax.presets_data import SMALL_DIR  # noqa: E402
 from metrale_jax.tokenizer import ByteTokenizer  # noqa: E402
 from metrale_jax.training.chain import train_chain  # noqa: E402
 from metrale_jax.training.corpus import default_stdlib_dir, load_corpus  # noqa: E402
 from metrale_jax.training.loop import train  # noqa: E402
-from metrale_jax.training.recipe import SMALL_CONFIG, SMALL_RECIPE  # noqa: E402
+from metrale_jax.training.recipe import SMALL_RECIPE  # noqa: E402
 
 LOG_FILE = "training.json"
 SAMPLE_PROMPT = "    def __repr__(self):\n        return "
@@ -197,11 +198,11 @@ def main(argv=None) -> int:
             flush=True,
         )
         t0 = time.time()
-        params, log = train(SMALL_CONFIG, recipe, corpus, log=lambda m: print(m, flush=True))
+        params, log = train(SMALL, recipe, corpus, log=lambda m: print(m, flush=True))
         if recipe.chain_steps:
-            params, log["chain"] = train_chain(params, SMALL_CONFIG, recipe, corpus, log=lambda m: print(m, flush=True))
+            params, log["chain"] = train_chain(params, SMALL, recipe, corpus, log=lambda m: print(m, flush=True))
             log["chain"]["command"] = command
-        save_checkpoint(args.out, SMALL_CONFIG, params)
+        save_checkpoint(args.out, SMALL, params)
         tok.save(args.out)
         log.update(
             command=command,

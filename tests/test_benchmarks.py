@@ -25,6 +25,7 @@ if ROOT not in sys.path:
 
 from benchmarks import cli, hf_env, models, report, roofline  # noqa: E402
 from benchmarks.timing import Stats, back_to_back, paired  # noqa: E402
+from metrale_jax import model_registry  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -196,7 +197,7 @@ def test_forwards_agree_and_the_roofline_dry_run_is_consistent(smoke):
 
 def test_step_bytes_of_the_real_qwen35_stack():
     """The roofline's accounting at Qwen3.5-35B-A3B width (no arrays are built)."""
-    cfg = models.qwen35_stack(4)
+    cfg = model_registry.qwen35_stack(4)
     st = models.settings(max_batch_size=8, max_seq_len=4096, speculative=True, num_drafts=3, kv_cache_dtype="bf16")
     one = roofline.step_bytes(cfg, st, n=1, t=1, ctx=1000, verify=False, drafter=False, weight_bytes=2)
     expert = 3 * 2048 * 512 * 2  # gate, up, down of one expert, bf16

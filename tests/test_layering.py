@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "metrale_jax.memory",
             "metrale_jax.recipes",
             "metrale_jax.research",
+            "metrale_jax.sharded_check",
             "metrale_jax.training",
         ),
     ),
