@@ -1,7 +1,7 @@
 """Section `roofline` (`--gpu`): bytes each step must move over the measured HBM bandwidth, against
 the measured step time, per step and per kernel, for a Qwen3.5-35B-A3B-size layer stack.
 
-Run where an NVIDIA GPU is present (`python -m benchmarks --gpu`, jax with CUDA); elsewhere
+Run where an NVIDIA GPU is present (`python -m benchmarks roofline --gpu`, jax with CUDA); elsewhere
 `--gpu --dry-run` runs the identical code path at tiny width under the Pallas interpreter, so the
 script stays checked on CPU (its numbers then mean nothing).
 

@@ -11,9 +11,10 @@ MoE's all-reduces (shard_map), the Triton calls and the seconds lowering took.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
+
+import click
 
 from metrale_jax import runtime_env
 
@@ -75,21 +76,20 @@ def lower(model: str, layers: int | None, tp: int = 2, ep: int = 4, ops: Ops | N
     return exported_step_programs(cfg, settings, h200_mesh(tp, ep), jnp.bfloat16, ops, "cuda")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--model", default=MODEL)
-    ap.add_argument("--forward", choices=("xla", "pallas"), default="xla")
-    a = ap.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--layers", type=int, default=None, help="the first N layers (default: every layer)")
+@click.option("--model", default=MODEL, show_default=True)
+@click.option("--forward", type=click.Choice(["xla", "pallas"]), default="xla", show_default=True)
+def main(layers: int | None, model: str, forward: str) -> None:
     t0 = time.perf_counter()
-    ops = PallasOps(interpret=False) if a.forward == "pallas" else ReferenceOps()
-    for name, exp in lower(a.model, a.layers, ops=ops).items():
+    ops = PallasOps(interpret=False) if forward == "pallas" else ReferenceOps()
+    for name, exp in lower(model, layers, ops=ops).items():
         text = exp.mlir_module()
         print(
             f"{name}: {exp.nr_devices} devices, {len(text) / 1e6:.1f} MB, all_reduce x{text.count('all_reduce')}, "
             f"Triton calls x{text.count(TRITON_CALL)}"
         )
-    if a.forward == "pallas":
+    if forward == "pallas":
         print(f"kernels refused (the reference ran): {list(PallasOps.refusals()) or 'none'}")
     print(f"lowered in {time.perf_counter() - t0:.1f} s (jax {jax.__version__})")
 
