@@ -158,7 +158,9 @@ STEP_OPTIONS = {
         callback=ints,
         help="sequences per decode/verify step, default 1,4,8 (forwards, gap: the largest)",
     ),
-    "ks": click.Option(["--ks"], callback=ints, help="verify rows per sequence, default 2,3,4 (the rest: the largest)"),
+    "ks": click.Option(
+        ["--ks"], callback=ints, help="verify rows per sequence, default 2,3,4 (forwards, gap, slots: the largest)"
+    ),
     "ctx": click.Option(["--ctx"], type=int, help="context tokens before decode/verify, default 128"),
     "repeats": click.Option(["--repeats"], type=int, help="timed repeats per case (default 7; smoke 1)"),
     "warmup": click.Option(

@@ -61,8 +61,8 @@ def timer(cfg, params, kind: str, n: int, k: int, rng):
 
 
 @click.command("layout-ab", help="The CPU engine's weight layouts and its rows kernel side by side (ms).")
-@click.argument("name", metavar="MODEL", default="qwen3-next-h512")
-@click.argument("step_texts", metavar="STEP...", nargs=-1)
+@click.argument("name", metavar="[MODEL]", default="qwen3-next-h512")
+@click.argument("step_texts", metavar="[STEP...]", nargs=-1)
 @click.option("--rounds", default=3, show_default=True, help="alternated rounds (the least median is kept)")
 @click.option("--reps", default=10, show_default=True, help="calls per round (their median)")
 def command(name: str, step_texts: tuple[str, ...], rounds: int, reps: int) -> None:

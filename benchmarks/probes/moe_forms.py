@@ -25,8 +25,8 @@ FORMS = ("pairs", "dense", "grouped")
 
 
 @click.command("moe-forms", help="The routed MoE block's three forms side by side at given row counts (ms).")
-@click.argument("name", metavar="MODEL", default="qwen3-next-h512")
-@click.argument("row_counts", metavar="ROWS...", nargs=-1, type=int)
+@click.argument("name", metavar="[MODEL]", default="qwen3-next-h512")
+@click.argument("row_counts", metavar="[ROWS...]", nargs=-1, type=int)
 def command(name: str, row_counts: tuple[int, ...]) -> None:
     cfg = config(name)
     layer = next(layer["mlp"] for layer in init_params(cfg, 3)["layers"] if mlp.is_moe_block(layer["mlp"]))
