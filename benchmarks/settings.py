@@ -110,6 +110,12 @@ class Settings:
         return max(self.ns), max(self.ks)
 
 
+#: The options a command was given, by parameter name (an option of another command is absent).
+Options = Mapping[str, Any]
+#: A section subcommand: its one-line help and its options.
+Command = tuple[str, tuple[click.Option, ...]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """The run's size preset: `smoke` (tiny sizes, 1 repeat, in-process), `gpu` (the roofline on an NVIDIA
@@ -174,7 +180,7 @@ STEP_OPTIONS = {
 }
 
 
-def resolve_step(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve_step(a: Options, p: Preset) -> dict[str, Any]:
     """The step-shape fields of `Settings` (absent options take the preset's sizes)."""
     return dict(
         model=p.pick(a.get("model"), "tiny", "tiny-2L"),

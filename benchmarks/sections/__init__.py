@@ -1,4 +1,6 @@
-"""The benchmark's sections, one module each: its subcommands' options, its settings, its `run` and its table.
+"""The benchmark's sections, one module each: `COMMANDS` (its subcommands' one-line help and options),
+`resolve` (its fields of `Settings`), `run` (the section, by its runner module) and `table` (its results
+as a `report.Table`).
 
 Owns: `SECTIONS` (every section's name -> its module, in the order `all` runs them) and `DEFAULT` (what `all`
 runs by default; `--smoke` and `--gpu` defaults apart).

@@ -1,26 +1,20 @@
 """The `anatomy` section: where a step's time goes, the programs a generation step runs (launches, device
 time alone) and this core's matrix products at a step's row counts (runner: `benchmarks.anatomy`).
-
-Owns: its options (none: its sizes follow the preset), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-import click
-
 from benchmarks.report import Grid, Table
-from benchmarks.settings import Preset, Settings
+from benchmarks.settings import Command, Options, Preset, Settings
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "anatomy": ("the programs a generation step runs on small, and this core's products at a step's row counts", ()),
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The anatomy fields of `Settings` (the preset's sizes)."""
     return dict(
         anatomy_model=p.pick(None, "small", "tiny"),

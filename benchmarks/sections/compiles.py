@@ -1,21 +1,17 @@
 """The `compile` section: time to first step and compilations of a ragged verify loop, the tiny model and the
 48-layer Qwen3-Next pattern at tiny width, scan layout against unrolled (runner: `benchmarks.compile_cost`).
-
-Owns: its options (`COMMANDS`), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table, log, median_range
-from benchmarks.settings import Preset, Settings, strs
+from benchmarks.settings import Command, Options, Preset, Settings, strs
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "compile": (
         "time to first step and compilations of a ragged verify loop, scan vs unrolled layout",
         (
@@ -30,7 +26,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The compile fields of `Settings` (absent options take the preset's sizes; smoke runs in-process)."""
     return dict(
         compile_models=p.pick(a.get("compile_models"), ["tiny", "qwen3-next-48L"], ["qwen3-next-4L-i2"]),

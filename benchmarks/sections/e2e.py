@@ -1,21 +1,17 @@
 """The `e2e` section: steady-state tokens/s of speculative against plain greedy generation, in one run: `small`
 with its MTP head drafting, and a realistic-width model with oracle drafts (runner: `benchmarks.e2e`).
-
-Owns: its options (`COMMANDS`), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table, median_range, quartiles
-from benchmarks.settings import Preset, Settings, ints
+from benchmarks.settings import Command, Options, Preset, Settings, ints
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "e2e": (
         "steady-state tokens/s, speculative vs greedy: small with its MTP drafts, the 45 M width with oracle drafts",
         (
@@ -36,7 +32,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The e2e fields of `Settings` (absent options take the preset's sizes)."""
     return dict(
         e2e_ns=p.pick(a.get("e2e_ns"), [1, 4, 8], [1]),

@@ -1,21 +1,17 @@
 """The `forwards` section: the `pallas` forward (the interpreter on CPU) against `xla` on the same engine step
 (runner: `benchmarks.forwards`).
-
-Owns: its options (`COMMANDS`), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table, median_range, quartiles
-from benchmarks.settings import STEP_OPTIONS, Preset, Settings, strs
+from benchmarks.settings import STEP_OPTIONS, Command, Options, Preset, Settings, strs
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "forwards": (
         "the pallas forward (interpreter on CPU) vs xla on the same engine step",
         (
@@ -26,7 +22,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The forwards field of `Settings` beyond the step shape."""
     return dict(forward_steps=p.pick(a.get("forward_steps"), ["prefill", "decode", "verify"], ["verify"]))
 

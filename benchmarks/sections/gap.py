@@ -1,21 +1,17 @@
 """The `gap` section: the engine's verify step after idle gaps before each call, the cost the call-by-call
 timing of `hf` charges the side that waits longer (runner: `benchmarks.idle_gap`).
-
-Owns: its options (`COMMANDS`), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table
-from benchmarks.settings import STEP_OPTIONS, Preset, Settings, ints
+from benchmarks.settings import STEP_OPTIONS, Command, Options, Preset, Settings, ints
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "gap": (
         "the engine's verify step after idle gaps before each call",
         (
@@ -28,7 +24,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The gap fields of `Settings` beyond the step shape."""
     return dict(
         gaps_ms=p.pick(a.get("gaps_ms"), [0, 2, 8], [0, 1]),

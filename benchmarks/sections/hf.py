@@ -1,21 +1,17 @@
 """The `hf`, `hf-45m` and `hf-300m` sections: the JAX engine against HF transformers on the CPU, same config
 and weights, timed in one run, each decode/verify case with its CPU roofline (runner: `benchmarks.vs_hf`;
 the HF side runs in the venv of `benchmarks.hf_env`).
-
-Owns: the three sections' options (`COMMANDS`), their settings (`resolve`: `hf` at the step options' sizes,
-the realistic-width `hf-45m` and `hf-300m` at their own sizes in `Settings.wide`), `run` and `table`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table, inverse_quartiles, log, median_range, quartiles
-from benchmarks.settings import STEP_OPTIONS, HFSizes, Preset, Settings, ints
+from benchmarks.settings import STEP_OPTIONS, Command, HFSizes, Options, Preset, Settings, ints
 
 _HF_OPTIONS = (
     click.Option(
@@ -37,8 +33,7 @@ _WIDE_OPTIONS = (
 _STEP = ("model", "prefill_lens", "ns", "ks", "ctx", "repeats", "warmup", "block")
 _WIDE_HELP = "the hf comparison at realistic width: {} (prefill, decode and verify n in 1/8, K 4)"
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "hf": (
         "JAX engine vs HF transformers on the CPU (default model tiny): prefill, decode, verify, CPU roofline",
         (*(STEP_OPTIONS[k] for k in _STEP), *_HF_OPTIONS),
@@ -48,7 +43,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The hf sections' fields of `Settings` beyond the step shape: `wide` (the realistic-width sections'
     models and sizes; `--wide-*`, `--warmup` and `--block` override every one; with `--smoke` their
     stand-ins at tiny width and tiny sizes), `hf_create`, `hf_impl`."""

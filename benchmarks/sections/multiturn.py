@@ -1,22 +1,18 @@
 """The `multiturn` section: conversations sharing a system prompt and their own history, with and without the
 prefix cache: prompt tokens, tokens prefilled, hit rate, time to first token per turn (runner:
 `benchmarks.multiturn`).
-
-Owns: its options (`COMMANDS`), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table
-from benchmarks.settings import Preset, Settings
+from benchmarks.settings import Command, Options, Preset, Settings
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "multiturn": (
         "multi-turn conversations with and without the prefix cache: tokens prefilled, hit rate, TTFT",
         (
@@ -28,7 +24,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The multiturn fields of `Settings` (absent options take the preset's sizes)."""
     return dict(
         multiturn_model=p.pick(a.get("multiturn_model"), "qwen3-next-h512", "tiny-2L"),

@@ -1,22 +1,18 @@
 """The `roofline` section: bytes each step must move over the measured HBM bandwidth against the measured step
 time, per step and per kernel, for a Qwen3.5-35B-A3B-width stack on an NVIDIA GPU (`--gpu`); a dry run with tiny
 shapes under the interpreter anywhere else (runner: `benchmarks.roofline`).
-
-Owns: its options (`COMMANDS`), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table
-from benchmarks.settings import Preset, Settings, ints
+from benchmarks.settings import Command, Options, Preset, Settings, ints
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "roofline": (
         "steps and kernels against the HBM bandwidth floor (--gpu; a tiny dry run elsewhere)",
         (
@@ -31,7 +27,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The roofline fields of `Settings`: the GPU sizes, or tiny ones for a dry run (and the smoke run, which
     times no decode)."""
     tiny = p.tiny_roofline

@@ -1,21 +1,17 @@
 """The `slots` section: a one-sequence step against the engine's slot count, with each engine's pool copies (a
 pool copied instead of updated in place grows with the slots) (runner: `benchmarks.slot_scaling`).
-
-Owns: its options (`COMMANDS`), its settings (`resolve`), `run` and `table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import click
 
 from benchmarks.report import Grid, Table
-from benchmarks.settings import STEP_OPTIONS, Preset, Settings, ints
+from benchmarks.settings import STEP_OPTIONS, Command, Options, Preset, Settings, ints
 
-#: Subcommand name -> (its one-line help, its options).
-COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
+COMMANDS: dict[str, Command] = {
     "slots": (
         "a one-sequence decode and verify against the engine's slot count",
         (
@@ -28,7 +24,7 @@ COMMANDS: dict[str, tuple[str, tuple[click.Option, ...]]] = {
 }
 
 
-def resolve(a: Mapping[str, Any], p: Preset) -> dict[str, Any]:
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
     """The slots fields of `Settings` beyond the step shape."""
     return dict(
         slots_model=p.pick(a.get("slots_model"), "qwen3-next-48L", "qwen3-next-4L-i2"),
