@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "metrale_jax.recipes",
             "metrale_jax.research",
             "metrale_jax.sharded_check",
+            "metrale_jax.sharded_lowering",
             "metrale_jax.training",
         ),
     ),
