@@ -35,7 +35,7 @@ mutants: $(STAMP)
 	$(PY) -m pytest tests/test_mutants.py
 
 bench: $(STAMP)
-	$(PY) -m benchmarks --notes BUILD_NOTES.md
+	$(PY) -m benchmarks all --notes benchmarks/RESULTS.md
 
 notebooks: $(STAMP)
 	cd notebooks && for nb in *.py; do MPLBACKEND=Agg ../$(PY) $$nb || exit 1; done

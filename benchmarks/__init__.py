@@ -1,8 +1,8 @@
 """metrale-jax benchmarks: speed and compile cost, side by side with Hugging Face transformers
-and with the HBM roofline. One entry point: `python -m benchmarks` (`make bench`).
+and with the HBM roofline. One entry point: `python -m benchmarks COMMAND` (a Click group; `make
+bench` runs `all` and writes the tables to benchmarks/RESULTS.md).
 
-Sections (each printed as a table and written to one JSON file; `make bench` also writes them
-into the results section of BUILD_NOTES.md):
+Sections (each a subcommand, printed as a table and written to one JSON file):
 - `hf`       JAX engine vs HF transformers on the CPU, same config and weights, timed in one run,
              alternating the two sides: prefill tok/s, one decode step, one verify step (n, K),
              and per decode/verify step its CPU roofline (bytes it must move / this core's
@@ -24,13 +24,15 @@ into the results section of BUILD_NOTES.md):
              time, per kernel and per step, for a Qwen3.5-35B-A3B-size layer stack; a dry run
              with tiny shapes under the interpreter where no GPU is present.
 
-Modules: `cli` (the Click command, presets, sections, JSON, notes), `settings` (the resolved
-settings, passed whole to every section's `run`), `report` (the tables, text and markdown),
-`timing` (statistics, machine facts, compile listener), `models` (configs, engine settings,
-checkpoints), `steps` (engine step runners), `hf_env` (the HF venv and the driver client),
-`hf_driver` (runs under the HF venv's Python 3.11; imports neither jax nor this package),
-`vs_hf`, `cpu_roofline` (bandwidth and the hf sections' roofline columns), `e2e`, `compile_cost`,
-`forwards`, `idle_gap`, `slot_scaling`, `multiturn`, `roofline`.
+Modules: `cli` (the Click group: the section commands, `all`, the probes; JSON and notes),
+`sections` (one module per section: its options, settings, `run` and table; loads no jax), `settings`
+(the resolved settings, passed whole to every section's runner; the presets), `report` (the table
+framing, text and markdown), `timing` (statistics, machine facts, compile listener), `models` (weights,
+engine settings, checkpoints; the configs are `metrale_jax.model_registry`'s), `steps` (engine step
+runners), `hf_env` (the HF venv and the driver client), `hf_driver` (runs under the HF venv's Python
+3.11; imports neither jax nor this package), the runners `vs_hf`, `cpu_roofline` (bandwidth and the hf
+sections' roofline columns), `e2e`, `compile_cost`, `forwards`, `idle_gap`, `slot_scaling`, `multiturn`,
+`roofline`, and `probes` (one-off measurements, one subcommand each).
 `gpu_check.py` / `gpu_check.sh` are the kernel device check, which `roofline` reuses;
 `roofline_gpu.sh` is the roofline as one prepared command for a GPU machine. README.md says how
 to run and read it all.

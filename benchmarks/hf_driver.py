@@ -33,7 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-# `python -m benchmarks --threads 1` gives this side its own core (the engine keeps another):
+# `python -m benchmarks hf --threads 1` (or `all`) gives this side its own core (the engine keeps another):
 # `metrale_jax.runtime_env.pin_to_one_core` publishes it in this variable (this venv cannot import
 # metrale_jax, so the name is spelled here too).
 if os.environ.get("METRALE_BENCH_HF_CPU") and hasattr(os, "sched_setaffinity"):

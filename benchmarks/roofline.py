@@ -1,7 +1,7 @@
 """Section `roofline` (`--gpu`): bytes each step must move over the measured HBM bandwidth, against
 the measured step time, per step and per kernel, for a Qwen3.5-35B-A3B-size layer stack.
 
-Run where an NVIDIA GPU is present (`python -m benchmarks --gpu`, jax with CUDA); elsewhere
+Run where an NVIDIA GPU is present (`python -m benchmarks roofline --gpu`, jax with CUDA); elsewhere
 `--gpu --dry-run` runs the identical code path at tiny width under the Pallas interpreter, so the
 script stays checked on CPU (its numbers then mean nothing).
 
@@ -34,11 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import gpu_check, models
+from benchmarks import gpu_check
 from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 from metrale_jax.config import FULL
 from metrale_jax.engine.pool import H_DTYPES, KV_DTYPES
+from metrale_jax.model_registry import qwen35_stack
 from metrale_jax.params import init_params, is_spec, param_specs
 
 
@@ -155,7 +156,7 @@ def run(s: Settings, *, forward: str = "pallas", log=None) -> dict:
     k, iters, seed = s.roofline_k, s.roofline_iters, s.seed
     decode_ns, verify_ns = s.roofline_decode_ns, s.roofline_verify_ns
     log = log or (lambda m: print(f"[bench roofline] {m}", file=sys.stderr, flush=True))
-    cfg = models.qwen35_stack(layers, tiny=dry_run)
+    cfg = qwen35_stack(layers, tiny=dry_run)
     dtype = jnp.bfloat16
     params = init_params(cfg, seed, dtype)
     block_size = 16

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The roofline section (`python -m benchmarks --gpu`) as one prepared command for a GPU machine:
+# The roofline section (`python -m benchmarks all --gpu`) as one prepared command for a GPU machine:
 # a Qwen3.5-35B-A3B-width 8-layer stack (bf16), decode n = 1/8/32 and verify n = 8/32 x K = 4 over
 # 2048 cached tokens, each step against its bytes / measured-bandwidth floor, plus the GDN-rows and
 # paged-attention kernels at the same shapes (most of its time is compilation).
@@ -8,7 +8,7 @@
 # image's python3 holds them); `tomli` is shimmed from the standard tomllib when it is missing.
 # No network. Writes $OUT/roofline.json (or out/roofline.json) and prints the table last.
 #
-# Usage: bash benchmarks/roofline_gpu.sh [--dry-run] [other `python -m benchmarks` options]
+# Usage: bash benchmarks/roofline_gpu.sh [--dry-run] [other `python -m benchmarks all` options]
 #        bash benchmarks/roofline_gpu.sh --dry-run     # any machine: tiny shapes, interpreter
 set -euo pipefail
 
@@ -24,5 +24,5 @@ mkdir -p "$DEST"
 cd "$ROOT"
 "$PY" -c 'import jax; print("jax", jax.__version__, "devices", jax.devices())' >&2
 PYTHONPATH="$ROOT:$SHIM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
-  "$PY" -W "ignore:The Pallas Triton backend is deprecated" -m benchmarks --gpu \
+  "$PY" -W "ignore:The Pallas Triton backend is deprecated" -m benchmarks all --gpu \
   --json "$DEST/roofline.json" --workdir "$DEST/bench" "$@"

@@ -1,9 +1,11 @@
 """The benchmark's resolved settings: every value a section reads, one frozen dataclass passed whole.
 
-Owns: the names of the settings and what each means. `cli._resolve` fills every field from the
-command line's options, with the preset's value (default, `--smoke`, `--gpu`, `--gpu --dry-run`)
-where an option is absent; each section's `run(settings)` reads the fields it needs and nothing
-else. The JSON's "settings" is `dataclasses.asdict` of it, in field order.
+Owns: the names of the settings and what each means, `Preset` (which sizes an absent option takes:
+default, `--smoke`, `--gpu`, `--gpu --dry-run`), the comma-list option types (`ints`, `strs`) and
+`STEP_OPTIONS` (the step-shape options the hf, forwards, gap and slots sections share, with
+`resolve_step`). `cli.resolve` fills every field: the shared fields here, each section's from its
+own `resolve` (`benchmarks.sections`); each section's `run(settings)` reads the fields it needs and
+nothing else. The JSON's "settings" is `dataclasses.asdict` of it, in field order.
 
 Invariants: a section's sizes come from here alone (`step_shape` takes the largest of `ns` and of `ks`);
 the dataclass holds no jax values, so building it loads nothing.
@@ -12,6 +14,10 @@ the dataclass holds no jax values, so building it loads nothing.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import click
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,3 +108,88 @@ class Settings:
         """(n, k) of the forwards, gap and slots sections' steps: n sequences, the largest of `ns`,
         of k rows each, the largest of `ks`."""
         return max(self.ns), max(self.ks)
+
+
+#: The options a command was given, by parameter name (an option of another command is absent).
+Options = Mapping[str, Any]
+#: A section subcommand: its one-line help and its options.
+Command = tuple[str, tuple[click.Option, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """The run's size preset: `smoke` (tiny sizes, 1 repeat, in-process), `gpu` (the roofline on an NVIDIA
+    GPU) and `dry_run` (with `gpu`: tiny shapes under the interpreter)."""
+
+    smoke: bool
+    gpu: bool
+    dry_run: bool
+
+    def pick(self, given: Any, full: Any, smoke: Any) -> Any:
+        """The option's value where one was given, else the preset's (`smoke`'s under --smoke)."""
+        return given if given is not None else (smoke if self.smoke else full)
+
+    @property
+    def tiny_roofline(self) -> bool:
+        """The roofline runs at tiny width under the interpreter (anything but a real `--gpu` run)."""
+        return self.dry_run or self.smoke or not self.gpu
+
+
+def _comma(kind: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter, str | None], list | None]:
+    """A Click callback: a comma list of `kind` values (None when the option is absent)."""
+
+    def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> list | None:
+        if value is None:
+            return None
+        try:
+            return [kind(x.strip()) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma list, got {value!r}") from None
+
+    return convert
+
+
+ints, strs = _comma(int), _comma(str)
+
+#: The step-shape options, by name; each section that reads one lists it (hf all, forwards, gap, slots some).
+STEP_OPTIONS = {
+    "model": click.Option(
+        ["--model"],
+        help="hf, forwards, gap: a preset, a `metrale_jax.model_registry` name (tiny-2L, qwen3-next-<L>L[-i<n>], ...) "
+        "or a checkpoint directory (default tiny; smoke tiny-2L)",
+    ),
+    "prefill_lens": click.Option(["--prefill-lens"], callback=ints, help="hf: default 128,512,2048"),
+    "ns": click.Option(
+        ["--ns"],
+        callback=ints,
+        help="sequences per decode/verify step, default 1,4,8 (forwards, gap: the largest)",
+    ),
+    "ks": click.Option(
+        ["--ks"], callback=ints, help="verify rows per sequence, default 2,3,4 (forwards, gap, slots: the largest)"
+    ),
+    "ctx": click.Option(["--ctx"], type=int, help="context tokens before decode/verify, default 128"),
+    "repeats": click.Option(["--repeats"], type=int, help="timed repeats per case (default 7; smoke 1)"),
+    "warmup": click.Option(
+        ["--warmup"], type=int, help="untimed calls per side first (default 2, hf-45m and hf-300m 1; smoke 0)"
+    ),
+    "block": click.Option(
+        ["--block"],
+        type=int,
+        help="hf sections: back-to-back calls per side and round (default 8, hf-45m and hf-300m 2; smoke 2)",
+    ),
+}
+
+
+def resolve_step(a: Options, p: Preset) -> dict[str, Any]:
+    """The step-shape fields of `Settings` (absent options take the preset's sizes)."""
+    return dict(
+        model=p.pick(a.get("model"), "tiny", "tiny-2L"),
+        repeats=p.pick(a.get("repeats"), 7, 1),
+        warmup=p.pick(a.get("warmup"), 2, 0),
+        block=p.pick(a.get("block"), 8, 2),
+        prefill_lens=p.pick(a.get("prefill_lens"), [128, 512, 2048], [16]),
+        ns=p.pick(a.get("ns"), [1, 4, 8], [1]),
+        ks=p.pick(a.get("ks"), [2, 3, 4], [2]),
+        ctx=p.pick(a.get("ctx"), 128, 16),
+        prefill_b2b=True,
+    )

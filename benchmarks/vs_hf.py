@@ -33,10 +33,16 @@ import numpy as np
 
 from benchmarks import cpu_roofline, models
 from benchmarks.hf_env import HFClient
-from benchmarks.report import LOGIT_TOLERANCE
 from benchmarks.settings import Settings
 from benchmarks.steps import DeviceStep, StepBench, max_seq_len_for
 from benchmarks.timing import Stats, back_to_back, paired
+
+# |JAX - HF| logits above this (relative to the largest |logit|, at least 1) mark a logit row; most
+# rows of a case over it: the two sides did not run the same model (float32 parity is far below it).
+# A few rows over it: one sequence's top-k expert choice flipped where two router logits of a token
+# are within float32 rounding of each other (random weights make such near-ties likely over many
+# routing decisions); that sequence's rows then differ while the others agree.
+LOGIT_TOLERANCE = 1e-3
 
 
 @dataclasses.dataclass
@@ -54,7 +60,7 @@ class HFCase:
     jax_device_s: float  # the step's compiled program alone, median (no host work, no logits copy)
     max_abs_diff: float  # |JAX - HF| logits of the first call
     max_abs_logit: float
-    rows_differ: int  # logit rows of the first call over the tolerance (`report.LOGIT_TOLERANCE`)
+    rows_differ: int  # logit rows of the first call over the tolerance (`LOGIT_TOLERANCE`)
     logit_rows: int
     roofline: dict | None  # decode / verify: `cpu_roofline.step_roofline` of the engine's step
 
@@ -86,7 +92,7 @@ def _log(msg: str) -> None:
 
 
 def _diff(a, b) -> tuple[float, float, int, int]:
-    """(max |a - b|, max |b|, rows whose max |a - b| exceeds `report.LOGIT_TOLERANCE` x max(1, max |b|),
+    """(max |a - b|, max |b|, rows whose max |a - b| exceeds `LOGIT_TOLERANCE` x max(1, max |b|),
     rows) of two logit arrays [..., V]."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])

@@ -1,6 +1,7 @@
 """Embedded models usable wherever a checkpoint directory is (`--checkpoint tiny`).
 
-Owns: the preset configs and `resolve_checkpoint`, the one function every command uses to turn a
+Owns: the presets (name -> config and seed, or shipped folder; the configs are
+`metrale_jax.model_registry`'s) and `resolve_checkpoint`, the one function every command uses to turn a
 `--checkpoint` value (preset name or directory) into (config, params).
 Invariant: a preset's weights are the same bytes on every process and machine, and nothing is
 downloaded: seeded presets (`tiny`) are a pure function of their name and dtype, shipped presets
@@ -14,36 +15,9 @@ import os
 import jax.numpy as jnp
 
 from metrale_jax.checkpoint import CheckpointError, load_checkpoint
-from metrale_jax.config import FULL, LINEAR, ModelConfig
+from metrale_jax.model_registry import TINY
 from metrale_jax.params import init_params
 from metrale_jax.presets_data import PRESET_DIRS
-
-# A small Qwen3-Next-shaped model: both mixer kinds, MoE layers and one dense layer
-# (mlp_only_layers), GQA 2:1, linear value heads != key heads, dk != dv, one MTP layer.
-TINY = ModelConfig(
-    model_type="qwen3_next",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    layer_types=(LINEAR, FULL, LINEAR, FULL),
-    rope_theta=10000.0,
-    partial_rotary_factor=0.5,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    shared_expert_intermediate_size=32,
-    mlp_only_layers=(1,),
-    num_mtp_layers=1,
-)
 
 PRESETS = {"tiny": (TINY, 0)}
 

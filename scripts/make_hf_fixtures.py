@@ -54,124 +54,11 @@ from transformers import (  # noqa: E402
     Qwen3NextForCausalLM,
 )
 
+# The fixtures' configs: plain dicts in the registry, which imports no jax (this venv has none).
+from metrale_jax.model_registry import HF_FIXTURES  # noqa: E402
+
 PROMPT_LEN = 133  # > 2 chunks of 64: the prefill crosses two chunk boundaries of the chunked GDN
 DECODE_LEN = 16
-
-# ---------------------------------------------------------------------------------------------
-# Fixture definitions. "family" is qwen3_next (flat config) or qwen3_5 / qwen3_5_moe (wrapper).
-# ---------------------------------------------------------------------------------------------
-FIXTURES: dict[str, dict] = {
-    "qwen3_next_moe": dict(
-        family="qwen3_next",
-        seed=2008,
-        vocab_size=160,
-        hidden_size=64,
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=0.25,
-        rope_theta=10000000,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_conv_kernel_dim=4,
-        intermediate_size=48,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[2],
-        tie_word_embeddings=False,
-    ),
-    "qwen3_next_dense": dict(
-        family="qwen3_next",
-        seed=2006,
-        vocab_size=192,
-        hidden_size=64,
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=0.5,
-        rope_theta=10000,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        intermediate_size=40,
-        num_experts=0,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-    ),
-    "qwen3_5_dense": dict(
-        family="qwen3_5",
-        seed=2025,
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=0.5,  # rotary dim 8 -> 4 frequency slots = sum(mrope_section)
-        rope_theta=10000000,
-        mrope_section=[2, 1, 1],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_conv_kernel_dim=4,
-        intermediate_size=96,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_5_moe": dict(
-        family="qwen3_5_moe",
-        seed=2036,
-        vocab_size=200,
-        hidden_size=64,
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        partial_rotary_factor=0.25,  # rotary dim 8 -> 4 frequency slots = sum(mrope_section)
-        rope_theta=10000000,
-        mrope_section=[2, 1, 1],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        tie_word_embeddings=False,
-    ),
-}
-
-# An odd rotary dimension, which transformers accepts: head_dim 20 x 0.25 = 5 gives the frequencies
-# theta^(-2i/5) for i = 0, 2, 4, so 3 slots (sum(mrope_section)) and 6 rotated channels.
-FIXTURES["qwen3_5_odd_rotary"] = {
-    **FIXTURES["qwen3_5_dense"],
-    "seed": 2050,
-    "head_dim": 20,
-    "partial_rotary_factor": 0.25,
-    "mrope_section": [1, 1, 1],
-    "tie_word_embeddings": False,
-}
 
 # Random-weight scales (see README): large enough that logits are spread out, small enough to stay sane.
 STD_EMBED = 1.0
@@ -684,11 +571,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # fixed reduction order: reruns give the same bytes
     torch.use_deterministic_algorithms(True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__}")
-    names = args.only or list(FIXTURES)
+    names = args.only or list(HF_FIXTURES)
     t0 = time.time()
     all_stats = []
     for name in names:
-        st = make_fixture(name, FIXTURES[name], args.out, validate=not args.no_validate)
+        st = make_fixture(name, HF_FIXTURES[name], args.out, validate=not args.no_validate)
         all_stats.append(st)
         print(json.dumps(st))
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())

@@ -64,4 +64,5 @@ EOF
 
 if [ "${1:-}" = "--venv-only" ]; then exit 0; fi  # the benchmarks only need the venv
 cd "$ROOT"
-exec "$VENV/bin/python" scripts/make_hf_fixtures.py --out tests/fixtures/hf "$@"
+# PYTHONPATH: the fixtures' configs are read from metrale_jax/model_registry.py (plain data, no jax).
+PYTHONPATH="$ROOT" exec "$VENV/bin/python" scripts/make_hf_fixtures.py --out tests/fixtures/hf "$@"

@@ -21,7 +21,6 @@ by draft position (`metrale_jax.research`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -32,16 +31,18 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import click  # noqa: E402
 import jax  # noqa: E402
 
 from metrale_jax.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from metrale_jax.model_registry import SMALL  # noqa: E402
 from metrale_jax.params import count_params  # noqa: E402
 from metrale_jax.presets_data import SMALL_DIR  # noqa: E402
 from metrale_jax.tokenizer import ByteTokenizer  # noqa: E402
 from metrale_jax.training.chain import train_chain  # noqa: E402
 from metrale_jax.training.corpus import default_stdlib_dir, load_corpus  # noqa: E402
 from metrale_jax.training.loop import train  # noqa: E402
-from metrale_jax.training.recipe import SMALL_CONFIG, SMALL_RECIPE  # noqa: E402
+from metrale_jax.training.recipe import SMALL_RECIPE  # noqa: E402
 
 LOG_FILE = "training.json"
 SAMPLE_PROMPT = "    def __repr__(self):\n        return "
@@ -154,55 +155,54 @@ def measure(out: str, log: dict) -> None:
     )
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=SMALL_DIR, help="Output checkpoint directory [the package's small preset].")
-    ap.add_argument("--corpus-dir", default=default_stdlib_dir(), help="Directory of .py files [this Python's stdlib].")
-    ap.add_argument("--steps", type=int, help=f"Override the recipe's {SMALL_RECIPE.steps} steps (smoke runs).")
-    ap.add_argument("--measure-only", action="store_true", help="Skip training; re-measure acceptance of --out.")
-    ap.add_argument("--chain-only", action="store_true", help="Only the chained fine-tune, on --out's checkpoint.")
-    args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    command = " ".join(["python", "scripts/train_small.py", *map(shlex.quote, argv or sys.argv[1:])])
-    if args.measure_only or args.chain_only:
-        with open(os.path.join(args.out, LOG_FILE)) as fh:
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option(
+    "--out", default=SMALL_DIR, show_default="the package's small preset", help="Output checkpoint directory."
+)
+@click.option(
+    "--corpus-dir", default=default_stdlib_dir, show_default="this Python's stdlib", help="Directory of .py files."
+)
+@click.option("--steps", type=int, help=f"Override the recipe's {SMALL_RECIPE.steps} steps (smoke runs).")
+@click.option("--measure-only", is_flag=True, help="Skip training; re-measure acceptance of --out.")
+@click.option("--chain-only", is_flag=True, help="Only the chained fine-tune, on --out's checkpoint.")
+def main(out: str, corpus_dir: str, steps: int | None, measure_only: bool, chain_only: bool) -> None:
+    command = " ".join(["python", "scripts/train_small.py", *map(shlex.quote, sys.argv[1:])])
+    os.makedirs(out, exist_ok=True)
+    if measure_only or chain_only:
+        with open(os.path.join(out, LOG_FILE)) as fh:
             log = json.load(fh)
-    if args.chain_only:
+    if chain_only:
         if "chain" in log:
-            print(
-                f"error: {args.out} is already fine-tuned ({log['chain']['command']}); retrain it first",
-                file=sys.stderr,
-            )
-            return 2
-        cfg, params = load_checkpoint(args.out)
-        corpus = load_corpus(args.corpus_dir, ByteTokenizer(), SMALL_RECIPE.val_every_nth_file)
+            raise click.UsageError(f"{out} is already fine-tuned ({log['chain']['command']}); retrain it first")
+        cfg, params = load_checkpoint(out)
+        corpus = load_corpus(corpus_dir, ByteTokenizer(), SMALL_RECIPE.val_every_nth_file)
         params, log["chain"] = train_chain(params, cfg, SMALL_RECIPE, corpus, log=lambda m: print(m, flush=True))
         log["chain"]["command"] = command
         log["recipe"] = dataclasses.asdict(SMALL_RECIPE)
-        save_checkpoint(args.out, cfg, params)
-    elif not args.measure_only:
+        save_checkpoint(out, cfg, params)
+    elif not measure_only:
         recipe = SMALL_RECIPE
-        if args.steps is not None:  # a shortened run keeps the schedule's shape
+        if steps is not None:  # a shortened run keeps the schedule's shape
             recipe = dataclasses.replace(
                 recipe,
-                steps=args.steps,
-                warmup=max(1, min(recipe.warmup, args.steps // 4)),
-                eval_every=min(recipe.eval_every, args.steps),
+                steps=steps,
+                warmup=max(1, min(recipe.warmup, steps // 4)),
+                eval_every=min(recipe.eval_every, steps),
             )
         tok = ByteTokenizer()
-        corpus = load_corpus(args.corpus_dir, tok, recipe.val_every_nth_file)
+        corpus = load_corpus(corpus_dir, tok, recipe.val_every_nth_file)
         print(
             f"corpus: {corpus.train.size:,} train / {corpus.val.size:,} val bytes "
             f"({len(corpus.val_files)} held-out files)",
             flush=True,
         )
         t0 = time.time()
-        params, log = train(SMALL_CONFIG, recipe, corpus, log=lambda m: print(m, flush=True))
+        params, log = train(SMALL, recipe, corpus, log=lambda m: print(m, flush=True))
         if recipe.chain_steps:
-            params, log["chain"] = train_chain(params, SMALL_CONFIG, recipe, corpus, log=lambda m: print(m, flush=True))
+            params, log["chain"] = train_chain(params, SMALL, recipe, corpus, log=lambda m: print(m, flush=True))
             log["chain"]["command"] = command
-        save_checkpoint(args.out, SMALL_CONFIG, params)
-        tok.save(args.out)
+        save_checkpoint(out, SMALL, params)
+        tok.save(out)
         log.update(
             command=command,
             wall_seconds=round(time.time() - t0, 1),
@@ -210,11 +210,10 @@ def main(argv=None) -> int:
             platform=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
             f"Python {platform.python_version()}, jax {jax.__version__}",
         )
-    _write_log(args.out, log)
-    measure(args.out, log)
-    _write_log(args.out, log)
-    return 0
+    _write_log(out, log)
+    measure(out, log)
+    _write_log(out, log)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -3,7 +3,7 @@ forward's kernels (interpreted) under a tp 2 mesh, each on its device's heads (`
 in a `shard_map`), against the same kernels on one device. Prints one JSON line:
 {op: {"equal": bitwise equal outputs, "sharded": the outputs' head axes split over the 2 devices,
 "shard_map": the kernel traced inside a shard_map}, "refusals": the kernels' fallbacks, "engine": per call
-of `benchmarks.sharded_check.scenario` (prefill, decode, ragged verify, decode after the verdict) on the
+of `metrale_jax.sharded_check.scenario` (prefill, decode, ragged verify, decode after the verdict) on the
 `pallas` forward at tp 2 against tp 1, {max_abs, argmax_equal}}.
 """
 
@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks import sharded_check  # noqa: E402
 from kernels_pallas import testing  # noqa: E402
 from kernels_pallas.ops import PallasOps  # noqa: E402
+from metrale_jax import sharded_check  # noqa: E402
 from metrale_jax.engine.engine import Engine  # noqa: E402
 from metrale_jax.engine.sharding import make_mesh  # noqa: E402
 

@@ -1,9 +1,9 @@
 """The sharded-engine scenarios of `tests/test_sharding.py`, run in a process of its own with 8 forced
 host devices (the device count is fixed when jax starts). Prints one JSON object:
 
-- `logits`: `benchmarks.sharded_check.logits_agreement` (per mesh "tp x ep" of 1, 2, 4 x 1, 2,
+- `logits`: `metrale_jax.sharded_check.logits_agreement` (per mesh "tp x ep" of 1, 2, 4 x 1, 2,
   per call of its scenario, max |logit - tp 1 x ep 1 logit| and whether the argmaxes agree);
-- `speculative`: per mesh, `benchmarks.sharded_check.speculative_agreement` on the tiny model;
+- `speculative`: per mesh, `metrale_jax.sharded_check.speculative_agreement` on the tiny model;
 - `nan_isolation`: per mesh, whether test_engine's NaN-elsewhere scenario left every output
   bit-identical (the poisoned pool placed back with the engine's shardings);
 - `planned`: per mesh, the pool buffers and weight leaves whose bytes on each device differ from
@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 # NOTE: LLVM level 0 cuts the CPU compiles (most of this process's time) by ~a quarter; every claim
 # here compares programs compiled alike in this process (meshes, NaN-poisoned runs, speculative vs greedy).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import conftest  # noqa: E402, F401  (thread environment, CPU platform)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import test_engine  # noqa: E402
 
-from benchmarks import sharded_check  # noqa: E402
+from metrale_jax import sharded_check  # noqa: E402
 from metrale_jax.engine.engine import Engine  # noqa: E402
 from metrale_jax.engine.pool import pool_buffers  # noqa: E402
 from metrale_jax.engine.sharding import make_mesh, param_divisors, pool_shardings  # noqa: E402

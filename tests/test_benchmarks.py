@@ -1,4 +1,4 @@
-"""The benchmark harness (`python -m benchmarks`) in its `--smoke` mode: every section
+"""The benchmark harness (`python -m benchmarks all`) in its `--smoke` mode: every section
 runs end to end at tiny sizes with one repeat, the tables and the JSON come out, and the
 benchmark's own verify-loop driver compiles nothing after its warm-up (scan and unrolled).
 
@@ -24,7 +24,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import cli, hf_env, models, report, roofline  # noqa: E402
+from benchmarks.sections import hf as hf_section  # noqa: E402
 from benchmarks.timing import Stats, back_to_back, paired  # noqa: E402
+from metrale_jax import model_registry  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -38,7 +40,7 @@ def smoke(tmp_path_factory):
     path = d / "bench.json"
     env = dict(os.environ, XLA_FLAGS=FAST_COMPILE, JAX_PLATFORMS="cpu")
     r = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--smoke", "--json", str(path), "--workdir", str(d)],
+        [sys.executable, "-m", "benchmarks", "all", "--smoke", "--json", str(path), "--workdir", str(d)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -196,7 +198,7 @@ def test_forwards_agree_and_the_roofline_dry_run_is_consistent(smoke):
 
 def test_step_bytes_of_the_real_qwen35_stack():
     """The roofline's accounting at Qwen3.5-35B-A3B width (no arrays are built)."""
-    cfg = models.qwen35_stack(4)
+    cfg = model_registry.qwen35_stack(4)
     st = models.settings(max_batch_size=8, max_seq_len=4096, speculative=True, num_drafts=3, kv_cache_dtype="bf16")
     one = roofline.step_bytes(cfg, st, n=1, t=1, ctx=1000, verify=False, drafter=False, weight_bytes=2)
     expert = 3 * 2048 * 512 * 2  # gate, up, down of one expert, bf16
@@ -211,7 +213,7 @@ def test_step_bytes_of_the_real_qwen35_stack():
 
 def test_hf_section_is_skipped_with_a_reason_when_its_venv_is_absent(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_VENV", str(tmp_path / "no-venv"))
-    out = cli._section("hf", cli._resolve(cli.parse(["--smoke", "--no-hf-setup"])))
+    out = cli.run_section("hf", cli.resolve(cli.parse(["--smoke", "--no-hf-setup"])))
     assert "not ready" in out["skipped"] and "make_hf_fixtures.sh" in out["skipped"]
 
 
@@ -219,7 +221,7 @@ def test_gpu_mode_needs_a_gpu_or_a_dry_run(capsys):
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit):
-        cli.run(["--gpu"])
+        cli.run(["roofline", "--gpu"])
     assert "--gpu --dry-run" in capsys.readouterr().err
 
 
@@ -291,7 +293,7 @@ def test_hf_table_marks_cases_whose_logits_differ():
             dict(case, max_abs_diff=4.2, rows_differ=3, logit_rows=4),
         ],
     }
-    rows = [line for line in report.hf_table(run).text().splitlines() if line.startswith("verify")]
+    rows = [line for line in hf_section.table(run).text().splitlines() if line.startswith("verify")]
     assert len(rows) == 3 and not any("differ" in r.lower() for r in rows[:1])
     assert "1/4 logit rows differ" in rows[1] and "LOGITS DIFFER" not in rows[1] and "LOGITS DIFFER" in rows[2]
 
@@ -319,9 +321,9 @@ def test_default_run_times_the_realistic_width_models_at_their_own_sizes():
     """`make bench` compares with HF on tiny, on the 45 M Qwen3-Next and on the ~300 M Qwen3.5-MoE, each at
     its own sizes, and runs the end-to-end section; both wide models have one MTP layer (their verify is
     speculative), the 300 M one in the Qwen3.5-MoE checkpoint layout."""
-    s = cli._resolve(cli.parse([]))
+    s = cli.resolve(cli.parse([]))
     assert s.sections[:4] == ["hf", "hf-45m", "hf-300m", "e2e"]
-    assert "hf-45m" not in cli._resolve(cli.parse(["--smoke"])).sections
+    assert "hf-45m" not in cli.resolve(cli.parse(["--smoke"])).sections
     sizes = {name: (w.model, w.prefill_lens, w.ns, w.ks, w.repeats, w.prefill_b2b) for name, w in s.wide.items()}
     assert sizes == {
         "hf-45m": ("qwen3-next-h512", [128, 1024, 2048], [1, 8], [4], 3, False),
@@ -330,7 +332,7 @@ def test_default_run_times_the_realistic_width_models_at_their_own_sizes():
     w = s.hf_section("hf-300m")
     assert (w.model, w.prefill_lens, w.repeats, w.warmup, w.block, w.ctx) == ("qwen35-moe-h1024", [128], 3, 1, 2, 128)
     assert (s.model, s.prefill_lens, s.repeats, s.block, s.prefill_b2b) == ("tiny", [128, 512, 2048], 7, 8, True)
-    assert cli._resolve(cli.parse(["--wide-ns", "2"])).hf_section("hf-45m").ns == [2]
+    assert cli.resolve(cli.parse(["--wide-ns", "2"])).hf_section("hf-45m").ns == [2]
     assert (s.e2e_ns, s.e2e_drafts, s.e2e_oracle_model, s.e2e_oracle_ns, s.e2e_accept) == (
         [1, 4, 8],
         [1, 2, 3],
@@ -368,7 +370,7 @@ def test_e2e_runs_only_the_models_given_sizes(monkeypatch):
 
     def run(*argv: str) -> dict:
         loaded.clear(), ran.clear()
-        return e2e.run(cli._resolve(cli.parse(list(argv))))
+        return e2e.run(cli.resolve(cli.parse(list(argv))))
 
     assert run("--e2e-ns", "", "--e2e-oracle-ns", "")["rows"] == [] and loaded == ran == []
     run("--e2e-ns", "", "--e2e-oracle-ns", "1", "--e2e-oracle-model", "tiny-2L")

@@ -19,8 +19,8 @@ from metrale_jax.checkpoint import (
     save_checkpoint,
     write_safetensors,
 )
+from metrale_jax.model_registry import TINY
 from metrale_jax.params import init_params, is_spec, param_specs
-from metrale_jax.presets import TINY
 
 Q35 = TINY.replace(
     model_type="qwen3_5_moe_text", trunk_prefix="model.language_model", weight_layout="qwen3_5", mlp_only_layers=()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from metrale_jax.config import FULL, LINEAR, ConfigError, from_hf_dict, load_model_config
-from metrale_jax.presets import TINY
+from metrale_jax.model_registry import TINY
 
 
 def _next(**kw):

@@ -25,8 +25,8 @@ import pytest
 from click.testing import CliRunner
 
 from metrale_jax.checkpoint import save_checkpoint
+from metrale_jax.model_registry import TINY
 from metrale_jax.params import init_params
-from metrale_jax.presets import TINY
 from metrale_jax_cli.main import cli
 
 NO_MTP = TINY.replace(num_mtp_layers=0)

@@ -31,7 +31,7 @@ from metrale_jax.diff.request import DiffRequest
 from metrale_jax.engine.capacity import pool_counts
 from metrale_jax.engine.settings import SettingsError, resolve_settings
 from metrale_jax.memory.activations import ActivationModel
-from metrale_jax.presets import TINY
+from metrale_jax.model_registry import TINY
 from metrale_jax_cli import logits_cmd
 from metrale_jax_cli.errors import INTERNAL_EXIT, LOG_DIR_ENV, user_errors
 from metrale_jax_cli.main import cli

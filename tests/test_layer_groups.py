@@ -11,8 +11,8 @@ from metrale_jax.engine.engine import Engine
 from metrale_jax.errors import MetraleError
 from metrale_jax.model.cache import prefill_and_decode
 from metrale_jax.model.layer_groups import arrange_layers, layer_period, stack_layer_groups
+from metrale_jax.model_registry import TINY
 from metrale_jax.params import init_params
-from metrale_jax.presets import TINY
 
 PERIODIC = TINY.replace(num_hidden_layers=8, layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, mlp_only_layers=())
 

@@ -36,6 +36,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "metrale_jax.diff",
             "metrale_jax.memory",
             "metrale_jax.research",
+            "metrale_jax.sharded_check",
+            "metrale_jax.sharded_lowering",
             "metrale_jax.training",
         ),
     ),

@@ -6,11 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.models import config
 from metrale_jax.model import mlp
 from metrale_jax.model.linear import ExpertLeaves, TransposedWeight, transpose_weights
+from metrale_jax.model_registry import TINY, config
 from metrale_jax.params import init_params, moe_router_rows
-from metrale_jax.presets import TINY
 
 FORMS = ("dense", "pairs", "grouped")
 # TINY's MoE (8 experts, top-2) at a width where the products are not trivially exact.

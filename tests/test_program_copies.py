@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import settings
 
-from benchmarks.models import config
 from metrale_jax.engine.engine import FORWARDS, Engine
 from metrale_jax.engine.programs import compile_transition, count_param_copies
+from metrale_jax.model_registry import config
 from metrale_jax.params import init_params
 
 WIDE = config("qwen3-next-h512")

@@ -30,7 +30,7 @@ from click.testing import CliRunner
 
 from metrale_jax.engine import sharding
 from metrale_jax.engine.pool import POOL_LABELS
-from metrale_jax.presets import TINY
+from metrale_jax.model_registry import TINY
 from metrale_jax_cli.main import cli
 
 LOGITS_ATOL = 1e-4

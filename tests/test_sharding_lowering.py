@@ -1,6 +1,6 @@
 """The 80B's step programs lower for 8 H200s (tensor parallel 2 x expert parallel 4) on a CPU-only
 machine: one layer group (3 GDN + 1 attention layer, full width: 512 experts, 16 GDN key heads, 2
-KV heads) here, every layer in `scripts/sharded_lowering.py`.
+KV heads) here (`metrale_jax.sharded_lowering`), every layer in `scripts/sharded_lowering.py`.
 
 Claims: prefill, decode, verify, propose and the fused speculative step export for CUDA on the
 abstract mesh with the engine's shardings (`engine.sharding`), each a program of 8 devices whose MoE
@@ -11,32 +11,18 @@ Triton call in a shard_map over the heads, none refused.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
 from kernels_pallas.common import TRITON_CALL
 from kernels_pallas.ops import PallasOps
+from metrale_jax import sharded_lowering
+from metrale_jax_cli.recipes import REPO_RECIPES_DIR
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-@pytest.fixture(scope="module")
-def lowering():
-    spec = importlib.util.spec_from_file_location(
-        "sharded_lowering", os.path.join(ROOT, "scripts", "sharded_lowering.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_80b_layer_group_lowers_for_8_h200s(lowering):
-    exported = lowering.lower(lowering.MODEL, layers=4)
+def test_the_80b_layer_group_lowers_for_8_h200s():
+    exported = sharded_lowering.lower(sharded_lowering.MODEL, REPO_RECIPES_DIR, layers=4)
     assert sorted(exported) == ["decode", "prefill", "propose", "speculative", "verify"]
     for name, exp in exported.items():
         assert exp.nr_devices == 8, name
@@ -44,10 +30,10 @@ def test_the_80b_layer_group_lowers_for_8_h200s(lowering):
         assert "all_reduce" in exp.mlir_module(), name
 
 
-def test_the_80b_layer_group_lowers_for_8_h200s_with_the_pallas_forward(lowering):
+def test_the_80b_layer_group_lowers_for_8_h200s_with_the_pallas_forward():
     ops = PallasOps(interpret=False)
     before = ops.refusals()
-    exported = lowering.lower(lowering.MODEL, layers=4, ops=ops)
+    exported = sharded_lowering.lower(sharded_lowering.MODEL, REPO_RECIPES_DIR, layers=4, ops=ops)
     calls = {name: exp.mlir_module().count(TRITON_CALL) for name, exp in exported.items()}
     # 3 GDN layers and 1 attention layer per trunk pass; the MTP layer's attention once per draft
     assert calls == {"prefill": 4, "decode": 4, "verify": 4, "propose": 3, "speculative": 7}

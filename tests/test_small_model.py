@@ -16,13 +16,14 @@ from kernels_pallas.ops import ReferenceOps
 from metrale_jax import research
 from metrale_jax.checkpoint import load_checkpoint
 from metrale_jax.config import load_model_config
-from metrale_jax.presets import TINY, resolve_checkpoint
+from metrale_jax.model_registry import SMALL, TINY
+from metrale_jax.presets import resolve_checkpoint
 from metrale_jax.presets_data import SMALL_DIR
 from metrale_jax.tokenizer import END_OF_TEXT, ByteTokenizer, TokenizerError, load_tokenizer, tokenizer_for
 from metrale_jax.training.chain import chain_logits, chain_metrics
 from metrale_jax.training.corpus import is_validation_file, load_corpus, tiling_windows
 from metrale_jax.training.objective import TrainOps, init_for_training, objective
-from metrale_jax.training.recipe import SMALL_CONFIG, SMALL_RECIPE
+from metrale_jax.training.recipe import SMALL_RECIPE
 
 TOK = ByteTokenizer()
 
@@ -45,7 +46,7 @@ def heldout_run():
 
 
 def test_shipped_checkpoint_is_the_recipe_and_small():
-    assert load_model_config(SMALL_DIR) == SMALL_CONFIG
+    assert load_model_config(SMALL_DIR) == SMALL
     assert os.path.getsize(os.path.join(SMALL_DIR, "model.safetensors")) <= 20 * 2**20
     cfg, params = load_checkpoint(SMALL_DIR)
     assert cfg.num_linear_layers and cfg.num_full_layers and cfg.num_mtp_layers == 1
@@ -57,7 +58,7 @@ def test_shipped_checkpoint_is_the_recipe_and_small():
 
 def test_small_is_a_preset():
     cfg, params = resolve_checkpoint("small")
-    assert cfg == SMALL_CONFIG and params["embed"].dtype == jnp.float32
+    assert cfg == SMALL and params["embed"].dtype == jnp.float32
 
 
 def test_training_record(log):

@@ -7,15 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import settings
 
-from benchmarks.models import model, settings
 from metrale_jax.engine.engine import Engine
 from metrale_jax.model import linear as lin
 from metrale_jax.model import mlp
 from metrale_jax.model.layer_groups import arrange_layers, layer_groups
 from metrale_jax.model.weight_layout import checkpoint_layout
+from metrale_jax.model_registry import TINY
 from metrale_jax.params import init_params
-from metrale_jax.presets import TINY
+from metrale_jax.presets import resolve_checkpoint
 
 RNG = np.random.default_rng(0)
 
@@ -70,7 +71,7 @@ def test_input_major_rows_are_isolated_nan_included(rows):
 
 
 def test_the_cpu_engine_holds_its_projections_input_major_and_reshards_them_in_checkpoint_order():
-    cfg, params = model("tiny")
+    cfg, params = resolve_checkpoint("tiny")
     eng = Engine(cfg, params, settings(max_batch_size=2, max_seq_len=64, speculative=True, num_drafts=2))
     assert lin.transposed_layout_applies(None)
     is_t = lambda x: isinstance(x, lin.TransposedWeight)  # noqa: E731

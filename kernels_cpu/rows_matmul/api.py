@@ -11,7 +11,7 @@ Invariants:
   the reference. Differentiable (a JVP through the reference), and vmappable (row batches run one by one).
 
 NOTE: why a kernel of our own. XLA CPU's product of 2-8 rows with a weight read from memory takes ~2x its one-row
-product (`scripts/small_m_products.py`), while streaming the weight once for all rows costs little more than one
+product (`benchmarks small-m-products`), while streaming the weight once for all rows costs little more than one
 row: the verify of a speculative step (K = 2-4 rows per sequence, a few sequences) pays that excess on every projection.
 """
 

@@ -277,7 +277,7 @@ def moe(p, x, cfg: ModelConfig, form: MoeForm | None = None):
     """Sparse MoE block. x: [..., Hd]. p: router [E + 1, Hd] (the router, the shared-expert gate),
     gate_up [E, 2I, Hd] (gate rows first), down [E, Hd, I], shared_gate_up [2Is, Hd] (gate rows
     first), shared_down [Hd, Is]. The routed experts run in `form`, by default the one `moe_form`
-    picks for the row count (the tests and `scripts/moe_forms.py` force each); the shared expert is
+    picks for the row count (the tests and `python -m benchmarks moe-forms` force each); the shared expert is
     a dense SwiGLU (split over the tensor axis like the dense MLP)."""
     # NOTE: the router is replicated (its rows and the one-row shared gate do not split over heads): groups=1.
     logits, shared_scale = linear_parts(x, p["router"], moe_router_rows(cfg), groups=1)

@@ -1,45 +1,13 @@
-"""The small model's recipe: architecture and training hyperparameters, stated once.
+"""The small model's training recipe: every training hyperparameter, stated once.
 
-Owns: `SMALL_CONFIG` (the shipped model's `ModelConfig`; its config.json must equal
-`SMALL_CONFIG.to_hf_dict()`, a test checks it) and `TrainRecipe` (every training choice
-`scripts/train_small.py` makes; recorded in the training log beside the model).
-
-Shape: Qwen3-Next-like at toy scale — three Gated-DeltaNet layers and one gated-attention layer
-(the 3:1 ratio), MoE feed-forward in layers 1 and 3 and dense in 0 and 2 (`mlp_only_layers`),
-GQA 2:1, more GDN value heads than key heads, one MTP layer (dense: it follows layer 0), a byte
-vocabulary plus <|endoftext|>. About 1.2 M parameters, 4.7 MB in float32.
+Owns: `TrainRecipe` (every training choice `scripts/train_small.py` makes; recorded in the training
+log beside the model) and `SMALL_RECIPE` (the committed run's). The architecture it trains is
+`metrale_jax.model_registry.SMALL`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from metrale_jax.config import FULL, LINEAR, ModelConfig
-
-SMALL_CONFIG = ModelConfig(
-    model_type="qwen3_next",
-    vocab_size=257,
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    layer_types=(LINEAR, LINEAR, LINEAR, FULL),
-    rope_theta=10000.0,
-    partial_rotary_factor=0.5,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
-    shared_expert_intermediate_size=128,
-    mlp_only_layers=(0, 2),
-    num_mtp_layers=1,
-)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""A speculative step against a greedy step, in the generation loop and alone, on a real generation's arguments: the
-e2e section's oracle case (one prompt of 64 random tokens, 3 drafts each right with probability 0.8, 48 new tokens).
+"""Probe `oracle-loop`: a speculative step against a greedy step, in the generation loop and alone, on a real
+generation's arguments: the e2e section's oracle case (one prompt of 64 random tokens, 3 drafts each right with
+probability 0.8, 48 new tokens).
 
-    .venv/bin/python scripts/oracle_loop_steps.py [MODEL] [--rounds 4]
+    .venv/bin/python -m benchmarks oracle-loop [MODEL] [--rounds 4]
 
 MODEL: a `benchmarks.models` name (default qwen3-next-h512). Per round, alternated in one process pinned to one core:
 `greedy_generate` and `speculative_generate` (fused) timed step by step (the median interval between progress
@@ -10,20 +11,16 @@ fused step of a generation: real tokens and routing). When the loop's step ratio
 nothing and the ratio is the device's.
 """
 
-import os
 import statistics
-import sys
 
 import click
 import numpy as np
 
-sys.path.insert(0, os.getcwd())
-
-from benchmarks import models  # noqa: E402
-from benchmarks.e2e import OracleDrafts, StepClock  # noqa: E402
-from benchmarks.steps import DeviceStep, max_seq_len_for  # noqa: E402
-from metrale_jax.engine.engine import Engine  # noqa: E402
-from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate  # noqa: E402
+from benchmarks import models
+from benchmarks.e2e import OracleDrafts, StepClock
+from benchmarks.steps import DeviceStep, max_seq_len_for
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 
 NEW_TOKENS, PROMPT_LEN, DRAFTS, ACCEPT = 48, 64, 3, 0.8
 
@@ -33,11 +30,10 @@ def _median_step_ms(clock: StepClock) -> float:
     return 1e3 * statistics.median(b[0] - a[0] for a, b in zip(marks, marks[1:]))
 
 
-@click.command()
+@click.command("oracle-loop", help="A speculative step vs a greedy step, in the generation loop and alone (ms).")
 @click.argument("model", default="qwen3-next-h512")
 @click.option("--rounds", default=4, help="alternated rounds")
-def main(model: str, rounds: int) -> None:
-    os.sched_setaffinity(0, {0})
+def command(model: str, rounds: int) -> None:
     cfg, params = models.model(model)
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, PROMPT_LEN)).tolist()
     base = dict(max_batch_size=1, max_seq_len=max_seq_len_for(PROMPT_LEN + NEW_TOKENS + DRAFTS + 2))
@@ -72,7 +68,3 @@ def main(model: str, rounds: int) -> None:
             f"greedy {g.rate():.0f} speculative {s.rate():.0f} (x{s.rate() / g.rate():.2f})",
             flush=True,
         )
-
-
-if __name__ == "__main__":
-    main()

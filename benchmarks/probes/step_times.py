@@ -1,26 +1,23 @@
-"""Device times of a benchmark model's decode and verify programs (`tiny` by default, or the model named
-after the label: `benchmarks.models.model`) in the source tree this interpreter imports, for side-by-side
-comparisons of two trees (alternate the processes):
+"""Probe `step-times`: device times of a model's decode and verify programs in the source tree this
+interpreter imports (its path is printed next to the times), for side-by-side comparisons of two trees: run
+each tree's own command in its own checkout, alternating the processes:
 
-    PYTHONPATH=/path/to/old/tree .venv/bin/python scripts/step_times.py old [MODEL]
-    PYTHONPATH=$PWD .venv/bin/python scripts/step_times.py new [MODEL]
+    .venv/bin/python -m benchmarks step-times [LABEL] [MODEL]
 
-Pinned to one core; each program alone on its captured arguments (`benchmarks.steps.DeviceStep`), median of 300
-calls after 20.
+MODEL: a `benchmarks.models.model` name (default tiny). Each program alone on its captured arguments
+(`benchmarks.steps.DeviceStep`), median of 300 calls after 20. Owns `captured_step`, which the
+`thunk-profile` and `layout-ab` probes time too.
 """
 
 import os
-import sys
 
+import click
 import numpy as np
 
-os.sched_setaffinity(0, {0})
-sys.path.insert(0, os.environ.get("PYTHONPATH", os.getcwd()).split(os.pathsep)[0])
-
-import metrale_jax  # noqa: E402
-from benchmarks import models  # noqa: E402
-from benchmarks.steps import DeviceStep  # noqa: E402
-from metrale_jax.engine.engine import Engine  # noqa: E402
+import metrale_jax
+from benchmarks import models
+from benchmarks.steps import DeviceStep
+from metrale_jax.engine.engine import Engine
 
 
 def captured_step(cfg, params, kind: str, n: int, k: int, rng) -> DeviceStep:
@@ -53,14 +50,14 @@ def device_ms(cfg, params, kind: str, n: int, k: int, rng) -> float:
     return round(dev.time(300) * 1e3, 4)
 
 
-def main() -> None:
-    cfg, params = models.model(sys.argv[2] if len(sys.argv) > 2 else "tiny")
-    rng = np.random.default_rng(0)
-    out = {f"{kind} n={n} K={k}": device_ms(cfg, params, kind, n, k, rng) for kind, n, k in STEPS}
-    print(sys.argv[1] if len(sys.argv) > 1 else "", os.path.dirname(os.path.dirname(metrale_jax.__file__)), out)
-
-
 STEPS = [("decode", 1, 1), ("decode", 8, 1), ("verify", 1, 4), ("verify", 8, 4)]
 
-if __name__ == "__main__":
-    main()
+
+@click.command("step-times", help="Device times of a model's decode and verify programs (median ms).")
+@click.argument("label", default="")
+@click.argument("model", default="tiny")
+def command(label: str, model: str) -> None:
+    cfg, params = models.model(model)
+    rng = np.random.default_rng(0)
+    out = {f"{kind} n={n} K={k}": device_ms(cfg, params, kind, n, k, rng) for kind, n, k in STEPS}
+    print(label, os.path.dirname(os.path.dirname(metrale_jax.__file__)), out)

@@ -1,38 +1,34 @@
-"""XLA CPU's products of a few rows against the engine's CPU rows kernel (`kernels_cpu.rows_matmul`), on the same
-input-major weights (`linear.TransposedWeight`, what the single-device CPU engine runs), alternated in one process.
+"""Probe `small-m-products`: XLA CPU's products of a few rows against the engine's CPU rows kernel
+(`kernels_cpu.rows_matmul`), on the same input-major weights (`linear.TransposedWeight`, what the single-device CPU
+engine runs), alternated in one process.
 
-    .venv/bin/python scripts/small_m_products.py [MODEL] [--ms 1,2,4,8] [--repeats 7]
+    .venv/bin/python -m benchmarks small-m-products [MODEL] [--ms 1,2,4,8] [--repeats 7]
 
-The weight is MODEL's (a `benchmarks.models` name, default qwen3-next-h512) gate/up rows of all experts, as the
-`anatomy` section's product sweep takes it. Every call reads another of enough distinct weights that their total is
-past any cache (`anatomy.OUT_OF_CACHE_BYTES`), so the figures are a real step's regime. Per M: ms per product
-(median over the repeats), GB/s of weight read, each against the same side's first M, and the largest difference
-from XLA's result relative to its largest value. The kernel is called directly (`api._kernel`), also at row counts
-the engine leaves to XLA (`api.ROWS_MIN`, `api.ROWS_MAX`). Pinned to one core.
+The weight is MODEL's (a `metrale_jax.model_registry.config` name, default qwen3-next-h512) gate/up rows of all
+experts, as the `anatomy` section's product sweep takes it. Every call reads another of enough distinct weights that
+their total is past any cache (`anatomy.OUT_OF_CACHE_BYTES`), so the figures are a real step's regime. Per M: ms per
+product (median over the repeats), GB/s of weight read, each against the same side's first M, and the largest
+difference from XLA's result relative to its largest value. The kernel is called directly (`api._kernel`), also at
+row counts the engine leaves to XLA (`api.ROWS_MIN`, `api.ROWS_MAX`). Pinned to one core.
 
 NOTE: the kernel holds the accumulators of at most 8 rows in registers; past 8 rows it reads the weight again for
 each further group of 8, so its time per row falls less beyond 8 (the engine stops at ROWS_MAX, the most rows
 measured quicker than XLA's dot in the engine's verify).
 """
 
-import os
 import statistics
-import sys
 import time
 
 import click
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.getcwd())
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks import models  # noqa: E402
-from benchmarks.anatomy import OUT_OF_CACHE_BYTES  # noqa: E402
-from kernels_cpu.rows_matmul import api  # noqa: E402
-from kernels_cpu.rows_matmul.reference import rows_matmul_reference  # noqa: E402
-from metrale_jax.text_table import text_table  # noqa: E402
+from benchmarks.anatomy import OUT_OF_CACHE_BYTES
+from kernels_cpu.rows_matmul import api
+from kernels_cpu.rows_matmul.reference import rows_matmul_reference
+from metrale_jax.model_registry import config
+from metrale_jax.text_table import text_table
 
 
 def _seconds(prod, x, weights: list) -> float:
@@ -43,16 +39,15 @@ def _seconds(prod, x, weights: list) -> float:
     return (time.perf_counter() - t0) / len(weights)
 
 
-@click.command()
+@click.command("small-m-products", help="XLA's products of a few rows vs the CPU rows kernel, weights out of cache.")
 @click.argument("model", default="qwen3-next-h512")
 @click.option("--ms", default="1,2,4,8", help="row counts M")
 @click.option("--repeats", default=7, help="sweeps per M and side (median)")
-def main(model: str, ms: str, repeats: int) -> None:
-    os.sched_setaffinity(0, {0})
+def command(model: str, ms: str, repeats: int) -> None:
     reason = api._registered()
     if reason is not None:
-        sys.exit(f"error: the rows kernel is not available: {reason}")
-    cfg = models.config(model)
+        raise click.ClickException(f"the rows kernel is not available: {reason}")
+    cfg = config(model)
     out_dim, in_dim = cfg.num_experts * 2 * cfg.moe_intermediate_size, cfg.hidden_size
     per = out_dim * in_dim * 4
     count = max(2, OUT_OF_CACHE_BYTES // per)
@@ -90,7 +85,3 @@ def main(model: str, ms: str, repeats: int) -> None:
     ]
     headers = ("M", "XLA ms", "GB/s", "x first M", "kernel ms", "GB/s", "x first M", "XLA/kernel", "max rel diff")
     print("\n".join(text_table(headers, cells, right=range(len(headers)))))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,13 +1,13 @@
-"""Where one step program's time goes on XLA CPU: the device time of each top-level op (thunk) of a benchmark
-model's decode, verify or fused speculative step program, from XLA's own per-thunk trace events.
+"""Probe `thunk-profile`: where one step program's time goes on XLA CPU: the device time of each top-level op (thunk)
+of a benchmark model's decode, verify or fused speculative step program, from XLA's own per-thunk trace events.
 
-    .venv/bin/python scripts/thunk_profile.py [MODEL] [KIND:N:K] [--top 30] [--iters 20]
+    .venv/bin/python -m benchmarks thunk-profile [MODEL] [KIND:N:K] [--top 30] [--iters 20]
 
 MODEL: a `benchmarks.models.model` name (default qwen3-next-h512); KIND:N:K: a decode of N sequences (K = 1), a
 verify of N sequences of K rows (default verify:1:4) or the fused speculative step of that verify and K - 1
 drafts, captured by `step_times.captured_step` (128-token contexts). The captured program is compiled again
 with `xla_cpu_enable_xprof_traceme` and run ITERS times under `jax.profiler.trace`; each op's time is its trace
-events' total per run, listed with its result shape and the jax operation it came from. Pinned to one core.
+events' total per run, listed with its result shape and the jax operation it came from.
 
 NOTE: every traced thunk pays a few microseconds of tracing, so a program of many small ops (the `tiny` and
 `small` presets) runs several times slower traced and its small ops read too long; at realistic widths the
@@ -17,9 +17,7 @@ includes its body's ops (an MoE `pairs` loop, the attention over KV blocks).
 
 import gzip
 import json
-import os
 import re
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -28,13 +26,9 @@ import click
 import jax
 import numpy as np
 
-os.sched_setaffinity(0, {0})
-sys.path.insert(0, os.getcwd())
-
-from step_times import captured_step  # noqa: E402  (this script's folder)
-
-from benchmarks import models  # noqa: E402
-from metrale_jax.engine.programs import compile_transition  # noqa: E402
+from benchmarks import models
+from benchmarks.probes.step_times import captured_step
+from metrale_jax.engine.programs import compile_transition
 
 TRACEME = {"xla_cpu_enable_xprof_traceme": True}
 # An instruction line of optimized HLO: its name and what follows the "="
@@ -72,12 +66,12 @@ def thunk_totals(trace_dir: Path) -> dict[str, float]:
     return totals
 
 
-@click.command()
+@click.command("thunk-profile", help="The device time of each top-level op of a step program (XLA CPU trace).")
 @click.argument("model", default="qwen3-next-h512")
 @click.argument("step", default="verify:1:4")
 @click.option("--top", default=30, show_default=True, help="ops listed, longest first")
 @click.option("--iters", default=20, show_default=True, help="traced runs")
-def main(model: str, step: str, top: int, iters: int) -> None:
+def command(model: str, step: str, top: int, iters: int) -> None:
     kind, *sizes = step.split(":")
     if (
         kind not in ("decode", "verify", "fused")
@@ -92,6 +86,7 @@ def main(model: str, step: str, top: int, iters: int) -> None:
     dev = captured_step(cfg, params, kind, int(n), int(k), np.random.default_rng(0))
     dev.time(5)
     untraced = dev.time(iters)  # the engine's own compiled program
+    assert dev.captured is not None  # captured_step captured it
     _, fn, static, rest = dev.captured
     traced = compile_transition(fn, static, (dev.engine.pool, *rest), TRACEME)
     ops = instructions(traced.as_text())
@@ -106,7 +101,3 @@ def main(model: str, step: str, top: int, iters: int) -> None:
     print(f"  top-level ops: {len(ops)}, traced time {sum(per_run.values()) / 1e3:.3f} ms per run")
     for name, us in sorted(per_run.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {us:9.1f} us  {name:36s} {ops[name][:120]}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,34 +1,33 @@
-"""The single-device CPU engine's weight layouts and its rows kernel side by side, in one process: each step's
-program with the weights as the engine holds them (`backend_layout`: input-major, and one leaf per expert where
-`mlp.expert_leaves_apply`), the same with the products of 2-32 rows on XLA's dot instead of the rows kernel
-(`kernels_cpu.rows_matmul`), input-major with the expert stacks kept whole, and in the checkpoints' [out, in],
-alternated round by round.
+"""Probe `layout-ab`: the single-device CPU engine's weight layouts and its rows kernel side by side, in one process:
+each step's program with the weights as the engine holds them (`backend_layout`: input-major, and one leaf per
+expert where `mlp.expert_leaves_apply`), the same with the products of 2-32 rows on XLA's dot instead of the rows
+kernel (`kernels_cpu.rows_matmul`), input-major with the expert stacks kept whole, and in the checkpoints' [out,
+in], alternated round by round.
 
-    .venv/bin/python scripts/layout_ab.py [MODEL] [STEP ...]
+    .venv/bin/python -m benchmarks layout-ab [MODEL] [STEP ...] [--rounds 3] [--reps 10]
 
 MODEL: a `benchmarks.models.model` name (default qwen3-next-h512); STEP: kind:n:k, a decode of n sequences
 (k = 1), a verify of n sequences of K = k rows, a fused speculative step (a verify of K = k rows, then k - 1
 drafts), or a prefill of one sequence of k tokens (default: prefill 128,
 decode n = 1 and 8, verify K = 4 at n = 1 and 8). Pinned to one core; decode and verify time the compiled
-program alone (`step_times.captured_step`), a prefill the engine call; per layout the least of ROUNDS (3)
-medians of REPS (10) calls, and in parentheses its time over the engine's layout's.
+program alone (`step_times.captured_step`), a prefill the engine call; per layout the least of ROUNDS
+medians of REPS calls, and in parentheses its time over the engine's layout's.
+
+NOTE: the layouts are swapped by replacing `metrale_jax.engine.engine.backend_layout`, the function the
+engine places its weights with, for the engines this probe builds.
 """
 
 import os
-import sys
 
+import click
 import numpy as np
 
-os.sched_setaffinity(0, {0})
-sys.path.insert(0, os.getcwd())
-
-from step_times import captured_step  # noqa: E402  (this script's folder)
-
-import metrale_jax.engine.engine as engine_module  # noqa: E402
-from benchmarks import models  # noqa: E402
-from benchmarks.steps import StepBench, max_seq_len_for  # noqa: E402
-from kernels_cpu.rows_matmul.api import DISABLE_ENV  # noqa: E402
-from metrale_jax.model.linear import transpose_weights  # noqa: E402
+import metrale_jax.engine.engine as engine_module
+from benchmarks import models
+from benchmarks.probes.step_times import captured_step
+from benchmarks.steps import StepBench, max_seq_len_for
+from kernels_cpu.rows_matmul.api import DISABLE_ENV
+from metrale_jax.model.linear import transpose_weights
 
 ENGINE = "engine's"
 NO_ROWS_KERNEL = "engine's, XLA's dot"
@@ -61,10 +60,13 @@ def timer(cfg, params, kind: str, n: int, k: int, rng):
     return lambda: dev.time(1)
 
 
-def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-next-h512"
-    steps = [parse_step(s) for s in sys.argv[2:] or DEFAULT_STEPS]
-    rounds, reps = int(os.environ.get("ROUNDS", 3)), int(os.environ.get("REPS", 10))
+@click.command("layout-ab", help="The CPU engine's weight layouts and its rows kernel side by side (ms).")
+@click.argument("name", metavar="[MODEL]", default="qwen3-next-h512")
+@click.argument("step_texts", metavar="[STEP...]", nargs=-1)
+@click.option("--rounds", default=3, show_default=True, help="alternated rounds (the least median is kept)")
+@click.option("--reps", default=10, show_default=True, help="calls per round (their median)")
+def command(name: str, step_texts: tuple[str, ...], rounds: int, reps: int) -> None:
+    steps = [parse_step(s) for s in step_texts or DEFAULT_STEPS]
     cfg, params = models.model(name)
     rng = np.random.default_rng(0)
     for kind, n, k in steps:
@@ -85,7 +87,3 @@ def main() -> None:
         held = best[ENGINE]
         others = ", ".join(f"{layout} {ms:.3f} ms ({ms / held:.2f})" for layout, ms in best.items() if layout != ENGINE)
         print(f"{name} {kind} n={n}{STEP_SIZE[kind]}{k}: engine's {held:.3f} ms; {others}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

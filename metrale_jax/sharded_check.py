@@ -1,14 +1,14 @@
 """The sharded engine against the single-device engine, on whatever devices are present.
 
 Owns: the scenario (`scenario`: two prefills, a batched decode, a ragged verify K = 4/2 with its
-verdict, a decode after it), the model it runs on (`wide_tiny`: the tiny preset widened to 4
-attention KV heads and 4 GDN key heads, so tp 4 divides it), the meshes the devices allow
+verdict, a decode after it), the model it runs on (`wide_tiny`: `model_registry.SHARDED_TINY`,
+seed 1), the meshes the devices allow
 (`meshes`) and the two checks: `logits_agreement` (each mesh's logits against tp 1 x ep 1 on the
 same forward: max |delta|, argmax agreement; the `pallas` forward's kernels run in a shard_map on
 each device's heads) and `speculative_agreement` (greedy speculative generation, composed and
 fused, emits plain greedy's tokens on a mesh; pool copies of its programs).
 `tests/sharded_worker.py` runs both on 8 forced host devices; `benchmarks/gpu_check.sh` on every
-GPU it finds (`python -m benchmarks.sharded_check`: both forwards' logits, the `xla` forward's
+GPU it finds (`python -m metrale_jax.sharded_check`: both forwards' logits, the `xla` forward's
 speculative check; exit 1 when a mesh breaks the contract).
 
 Contract (float32): max |delta| <= `LOGITS_ATOL` and every argmax equal; speculative == greedy.
@@ -16,7 +16,6 @@ Contract (float32): max |delta| <= `LOGITS_ATOL` and every argmax equal; specula
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -29,6 +28,7 @@ from metrale_jax.engine.settings import EngineSettings, resolve_settings
 from metrale_jax.engine.sharding import check_mesh, make_mesh
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.errors import MetraleError
+from metrale_jax.model_registry import SHARDED_TINY
 from metrale_jax.params import init_params
 from metrale_jax.presets import resolve_checkpoint
 
@@ -45,9 +45,7 @@ def settings(**flags) -> EngineSettings:
 
 
 def wide_tiny() -> tuple[ModelConfig, dict]:
-    cfg, _ = resolve_checkpoint("tiny")
-    wide = dataclasses.replace(cfg, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
-    return wide, init_params(wide, seed=1)
+    return SHARDED_TINY, init_params(SHARDED_TINY, seed=1)
 
 
 def meshes(cfg: ModelConfig, devices: int) -> list[tuple[int, int]]:

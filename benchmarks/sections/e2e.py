@@ -1,0 +1,107 @@
+"""The `e2e` section: steady-state tokens/s of speculative against plain greedy generation, in one run: `small`
+with its MTP head drafting, and a realistic-width model with oracle drafts (runner: `benchmarks.e2e`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from benchmarks.report import Grid, Table, median_range, quartiles
+from benchmarks.settings import Command, Options, Preset, Settings, ints
+
+COMMANDS: dict[str, Command] = {
+    "e2e": (
+        "steady-state tokens/s, speculative vs greedy: small with its MTP drafts, the 45 M width with oracle drafts",
+        (
+            click.Option(["--e2e-ns"], callback=ints, help="prompts generated together on small, default 1,4,8"),
+            click.Option(["--e2e-drafts"], callback=ints, help="drafts per verify on small, default 1,2,3"),
+            click.Option(["--e2e-new-tokens"], type=int, help="tokens per prompt on small, default 96"),
+            click.Option(["--e2e-oracle-model"], help="the model run with oracle drafts, default qwen3-next-h512"),
+            click.Option(
+                ["--e2e-oracle-ns"],
+                callback=ints,
+                help="prompts generated together, oracle drafts, default 1,8",
+            ),
+            click.Option(["--e2e-oracle-new-tokens"], type=int, help="tokens per prompt, oracle drafts, default 48"),
+            click.Option(["--e2e-accept"], type=float, help="the oracle's chance a draft is right, default 0.8"),
+            click.Option(["--e2e-rounds"], type=int, help="timed rounds, default 3"),
+        ),
+    )
+}
+
+
+def resolve(a: Options, p: Preset) -> dict[str, Any]:
+    """The e2e fields of `Settings` (absent options take the preset's sizes)."""
+    return dict(
+        e2e_ns=p.pick(a.get("e2e_ns"), [1, 4, 8], [1]),
+        e2e_drafts=p.pick(a.get("e2e_drafts"), [1, 2, 3], [1]),
+        e2e_new_tokens=p.pick(a.get("e2e_new_tokens"), 96, 8),
+        e2e_prompt_len=p.pick(None, 64, 16),
+        e2e_oracle_model=p.pick(a.get("e2e_oracle_model"), "qwen3-next-h512", "tiny-2L"),
+        e2e_oracle_ns=p.pick(a.get("e2e_oracle_ns"), [1, 8], [2]),
+        e2e_oracle_drafts=p.pick(None, [3], [2]),
+        e2e_oracle_new_tokens=p.pick(a.get("e2e_oracle_new_tokens"), 48, 8),
+        e2e_accept=p.pick(a.get("e2e_accept"), 0.8, 0.8),
+        e2e_rounds=p.pick(a.get("e2e_rounds"), 3, 1),
+    )
+
+
+def run(name: str, s: Settings) -> dict:
+    from benchmarks import e2e
+
+    return e2e.run(s)
+
+
+def table(r: dict) -> Table:
+    rows = []
+    for c in r["rows"]:
+        drafter = f"oracle p={c['accept']:g}" if c["drafter"] == "oracle" else c["drafter"]
+        rows.append(
+            (
+                c["model"],
+                drafter,
+                str(c["n"]),
+                str(c["new_tokens"]),
+                str(c["drafts"]),
+                c["mode"],
+                median_range(c["greedy_tok_s"], 1, ".0f"),
+                median_range(c["spec_tok_s"], 1, ".0f"),
+                f"{c['ratio']['median']:.2f}x",
+                quartiles(c["ratio"]),
+                f"{c['tokens_per_verify_per_seq']:.2f}",
+                str(c["verify_steps"]),
+                "yes" if c["same_tokens"] else "NO",
+                f"{c['greedy_first_s']:.1f} / {c['spec_first_s']:.1f}",
+            )
+        )
+    headers = (
+        "model",
+        "drafts from",
+        "n",
+        "new",
+        "drafts",
+        "mode",
+        "greedy tok/s",
+        "speculative tok/s",
+        "spec/greedy",
+        "per-round",
+        "tokens/verify/seq",
+        "verifies",
+        "same tokens",
+        "1st call s greedy/spec",
+    )
+    return Table(
+        f"End to end: speculative vs plain greedy generation, steady-state tokens/s, {r['rounds']} rounds "
+        f"alternated after a warm-up call each; prompts of {r['prompt_len']} tokens",
+        notes=(
+            "tok/s: median (min-max) over the rounds, from a call's progress report after the prefill to its last "
+            "(prefill and compilation excluded; '1st call': the warm-up call, compilation included)",
+            "spec/greedy: median (p25-p75) of the per-round ratios; greedy on a non-speculative engine, each draft "
+            "count on its own speculative engine (num_drafts = drafts, default K ladder); fused = one program per "
+            "scheduler step, composed = verify, stash, fold, commit, propose one by one; oracle = the greedy "
+            "continuation replayed, each draft position right with probability p (seeded)",
+        ),
+        grids=(Grid(headers, rows, left=(0, 1, 5, 12)),),
+    )
