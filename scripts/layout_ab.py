@@ -24,7 +24,7 @@ sys.path.insert(0, os.getcwd())
 
 from step_times import captured_step  # noqa: E402  (this script's folder)
 
-import metrale_jax.engine.engine as engine_module  # noqa: E402
+import metrale_jax.engine.placement as placement  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.steps import StepBench, max_seq_len_for  # noqa: E402
 from kernels_cpu.rows_matmul.api import DISABLE_ENV  # noqa: E402
@@ -33,8 +33,8 @@ from metrale_jax.model.linear import transpose_weights  # noqa: E402
 ENGINE = "engine's"
 NO_ROWS_KERNEL = "engine's, XLA's dot"
 LAYOUTS = {
-    ENGINE: engine_module.backend_layout,
-    NO_ROWS_KERNEL: engine_module.backend_layout,
+    ENGINE: placement.backend_layout,
+    NO_ROWS_KERNEL: placement.backend_layout,
     "[in, out] stacked": lambda params, cfg, mesh: transpose_weights(params),
     "[out, in]": lambda params, cfg, mesh: params,
 }
@@ -70,13 +70,13 @@ def main() -> None:
     for kind, n, k in steps:
         timers = {}
         for layout, place in LAYOUTS.items():
-            engine_module.backend_layout = place
+            placement.backend_layout = place
             if layout == NO_ROWS_KERNEL:
                 os.environ[DISABLE_ENV] = "0"  # read when the engine's programs are traced (in `timer`)
             try:
                 timers[layout] = timer(cfg, params, kind, n, k, rng)
             finally:
-                engine_module.backend_layout = LAYOUTS[ENGINE]
+                placement.backend_layout = LAYOUTS[ENGINE]
                 os.environ.pop(DISABLE_ENV, None)
         best = {layout: float("inf") for layout in LAYOUTS}
         for _ in range(rounds):
