@@ -2,11 +2,11 @@
 
 Owns: the device pool (replaced by each transition's output), the weights, the selected forward,
 the host-side sequence lengths and tokens, and the checks that turn a bad request into an
-`EngineError` before anything changes. It delegates, each to its own module: slots, blocks,
-reservations and the prefix cache's bookkeeping to the block manager (`engine.blocks`, `blocks`);
-each program's input to batch assembly (`engine.batching`); the verdict after a verify to the
-verdict protocol (`engine.verdict`, its base class); where the weights and pool live to
-`engine.placement`.
+`EngineError` before anything changes. The rest is delegated, each part to its own module:
+slots, blocks, reservations and the prefix cache's bookkeeping to the block manager
+(`Engine.blocks`, an `engine.blocks.BlockManager`); each program's input to batch assembly
+(`engine.batching`); the verdict after a verify to the verdict protocol (`engine.verdict`, the
+engine's base class); where the weights and the pool live to `engine.placement`.
 
 Invariants:
 - Every device-state change goes through one compiled transition with the pool donated; the
