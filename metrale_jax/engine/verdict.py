@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -85,7 +86,7 @@ class VerdictProtocol(abc.ABC):
     def _await_verdict(self, seqs: Sequence[SequenceState], rows: list[list[int]], before: list[int]) -> None:
         """Record the verify that just ran: sequence i verified rows[i] after before[i] tokens."""
         self._verifies += 1
-        row0 = np.cumsum([0, *map(len, rows)]).tolist()
+        row0 = itertools.accumulate(map(len, rows), initial=0)
         self._verified.update(
             {s.seq_id: Verified(r, b, o, self._verifies) for s, r, b, o in zip(seqs, rows, before, row0)}
         )
