@@ -12,10 +12,11 @@ compiled program or one host change:
   bit-identical);
 - `_stash`: with the MTP drafter, stash the accepted row's hidden for the next propose.
 
-The seam: these four private steps are the protocol's only device and host changes. Nothing
-outside this module calls them; a subclass may override one (tests/diff_mutants.py plants its
-state bugs there, each under its own name) and every caller, tests included, reaches them
-through `accept` and `rollback_verify`. `Engine.speculative_step` runs the same verdict inside
+The seam: `accept` and `rollback_verify` change device and host state only through these steps
+and `_restore` (the pre-verify checkpoint put back, which replay's fold shares). Nothing outside
+this module calls them; a subclass may override one (tests/diff_mutants.py plants its state bugs
+there, each under its own name) and every caller, tests included, reaches them through `accept`
+and `rollback_verify`. `Engine.speculative_step` runs the same verdict inside
 its one fused program (`transitions.speculative_step`), not through these steps.
 
 Invariants:
