@@ -29,10 +29,9 @@ Invariants:
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -57,7 +56,7 @@ class Verified:
     serial: int
 
 
-class VerdictProtocol(abc.ABC):
+class VerdictProtocol:
     """The verdict half of `Engine` (module docstring). It runs on the engine's `counts`,
     `programs`, `pool` (replaced by each program), `blocks`, `replay` (replay rollback) and
     `drafter`, and re-runs verify rows through the engine's `_rows`."""
@@ -68,21 +67,12 @@ class VerdictProtocol(abc.ABC):
     blocks: BlockManager
     replay: bool
     drafter: bool
+    _rows: Callable[..., tuple[np.ndarray, np.ndarray]]  # `Engine._rows`: runs `transitions.step_rows`
 
     def __init__(self) -> None:
         self._verify_hidden: jax.Array | None = None  # hidden rows of the last verify (device)
         self._verifies = 0  # verifies run (`Verified.serial`)
         self._verified: dict[int, Verified] = {}  # seq_id -> its verify, until its verdict is committed
-
-    @abc.abstractmethod
-    def _rows(
-        self,
-        seqs: Sequence[SequenceState],
-        tokens_per_seq: Sequence[Sequence[int]],
-        verify: bool,
-        starts: Sequence[int] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Run `transitions.step_rows` over seqs' ragged rows (the engine's)."""
 
     def _await_verdict(self, seqs: Sequence[SequenceState], rows: list[list[int]], before: list[int]) -> None:
         """Record the verify that just ran: sequence i verified rows[i] after before[i] tokens."""
