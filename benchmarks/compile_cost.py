@@ -102,7 +102,7 @@ def ragged_verify_loop(
             last = [int(argmax[off[i] + a]) for i, a in enumerate(na)]
             for s, p in zip(seqs, prompts):
                 if s.seq_len > max_len:
-                    engine.rewind(s, s.seq_len - len(p))
+                    engine.blocks.rewind(s, s.seq_len - len(p))
             out["step_s"].append(time.perf_counter() - t0)
             if step == 0:
                 out["compilations_after_first_step"] = engine.programs.compilations

@@ -102,7 +102,7 @@ class StepBench:
         logits = self.engine.decode_batch(seqs, tokens)
         secs = time.perf_counter() - t0
         for s in seqs:
-            self.engine.rewind(s, 1)
+            self.engine.blocks.rewind(s, 1)
         return secs, logits
 
     def verify(self, name: str, rows: Sequence[Sequence[int]]) -> tuple[float, np.ndarray]:

@@ -1,10 +1,10 @@
 """Planted state-handling bugs for the diff's detection-power tests, without touching the engine.
 
-Owns: `MutantEngine`, an `Engine` whose public verdict methods misbehave only while one of the
-mutant forwards in `MUTANTS` is selected (the math then runs the `xla` forward), and whose fused
-speculative step misbehaves while one of `FUSED_MUTANTS` is; `mutant_variants` and
-`fused_mutant_variants`, the diff variants that select them. Under any other forward it is the
-engine, unless a shared mutant is planted.
+Owns: `MutantEngine`, an `Engine` whose verdict steps (`_fold`, `_commit`, `_rewind`, `_stash`: the
+seam `engine.verdict` documents) misbehave only while one of the mutant forwards in `MUTANTS` is
+selected (the math then runs the `xla` forward), and whose fused speculative step misbehaves while
+one of `FUSED_MUTANTS` is; `mutant_variants` and `fused_mutant_variants`, the diff variants that
+select them. Under any other forward it is the engine, unless a shared mutant is planted.
 
 Shared mutants (`SHARED_MUTANTS`, planted with `planted(engine, name)`): bugs in the code every
 forward and every run shares, the reference's included, each in the engine's own methods or in
@@ -123,7 +123,7 @@ class MutantEngine(Engine):
             self.pool = self.programs.run("mutant_stash", _bump_stash_row, None, self.pool, slot)
         return out
 
-    def gdn_fold_accepted(self, seqs, rows, ks):
+    def _fold(self, seqs, rows, ks):
         if self.mutant == "mutant-fold-row":
             rows = [r % k + 1 for r, k in zip(rows, ks)]  # one row late; a full accept takes row 0
         if self.shared == "fold-row-late":
@@ -132,24 +132,24 @@ class MutantEngine(Engine):
             rows = [max(r - 1, 1) if r < k else r for r, k in zip(rows, ks)]
         if self.shared == "full-as-partial":
             ks = [k + (r == k) for r, k in zip(rows, ks)]
-        super().gdn_fold_accepted(seqs, rows, ks)
+        super()._fold(seqs, rows, ks)
 
-    def commit_accepted_prefixes(self, seqs, rows, ks):
+    def _commit(self, seqs, rows, ks):
         if self.mutant == "mutant-conv-kept":
             return
         if self.mutant == "mutant-commit-off-by-one" or self.shared == "conv-commit-off-by-one":
             rows = [min(r + 1, k) for r, k in zip(rows, ks)]
-        super().commit_accepted_prefixes(seqs, rows, ks)
+        super()._commit(seqs, rows, ks)
 
-    def rewind(self, seq, rejected):
+    def _rewind(self, seq, rejected):
         if (self.mutant == "mutant-rejected-kv" or self.shared == "rejected-kv-visible") and rejected:
             rejected -= 1
-        Engine.rewind(seq, rejected)
+        super()._rewind(seq, rejected)
 
-    def stash_verify_hidden_rows(self, seqs, rows):
+    def _stash(self, seqs, rows):
         if self.shared == "stash-wrong-row":
             rows = [r + 1 for r in rows]
-        super().stash_verify_hidden_rows(seqs, rows)
+        super()._stash(seqs, rows)
 
     def trim_proposer(self, seq, keep=0):
         if self.shared != "propose-untrimmed":

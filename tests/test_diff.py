@@ -267,7 +267,7 @@ def test_each_mode_passes_with_a_control_that_fires(request, checkpoint, mode):
         assert all(c["ok"] and c["steps"] for s in sections for c in s["comparisons"] if c["variant"] == "fused")
     else:
         assert not fused["available"] and "--verify" in fused["reason"]
-    assert engine.slots.live == 0 and engine.forward == "xla"
+    assert engine.blocks.slots.live == 0 and engine.forward == "xla"
     json.loads(to_json(report))
     assert "verdict: PASS" in render_summary(report)
     if mode == "verify-batch":

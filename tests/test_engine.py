@@ -153,7 +153,7 @@ def test_rejected_kv_never_influences_later_logits(eng, greedy_ref):
         _step(eng, [seq], [[last, greedy_ref[1], 0, 0]], [1])
         snap = jax.tree_util.tree_map(lambda x: x.copy(), eng.pool)
         clean = eng.decode(seq, greedy_ref[2])
-        eng.rewind(seq, 1)
+        eng.blocks.rewind(seq, 1)
         bs = eng.counts.block_size
         t = snap.trunk
         kv_k, kv_v = np.array(t.kv_k), np.array(t.kv_v)
@@ -305,7 +305,7 @@ def test_drafter_chains_its_own_normed_hidden(eng, tiny):
 
 
 def test_errors_leave_no_leak(eng):
-    slots_live, free = eng.slots.live, eng.blocks.free_count
+    slots_live, free = eng.blocks.slots.live, eng.blocks.kv.free_count
     seq = eng.alloc_sequence()
     with pytest.raises(EngineError, match="over --max-seq-len"):
         eng.prefill(seq, [1] * 300)
@@ -314,23 +314,23 @@ def test_errors_leave_no_leak(eng):
     eng.prefill(seq, [1, 2, 3])
     with pytest.raises(EngineError, match="cannot verify K=5"):
         eng.verify_batched([seq], [1] * 5, [5])
-    taken = eng.blocks.alloc_many(eng.blocks.free_count)
+    taken = eng.blocks.kv.alloc_many(eng.blocks.kv.free_count)
     held = list(seq.blocks)
     with pytest.raises(EngineError, match="KV blocks exhausted"):
         eng.prefill(seq, [1] * 40)
     assert (seq.seq_len, seq.blocks) == (3, held)  # the refused prefill changed nothing
-    eng.blocks.free_many(taken)
+    eng.blocks.kv.free_many(taken)
     eng.free_sequence(seq)
     with pytest.raises(EngineError, match="already freed"):
         eng.free_sequence(seq)
-    assert (eng.slots.live, eng.blocks.free_count) == (slots_live, free)
+    assert (eng.blocks.slots.live, eng.blocks.kv.free_count) == (slots_live, free)
     seqs = [eng.alloc_sequence() for _ in range(12)]
     with pytest.raises(EngineError, match="no free sequence slot"):
         eng.alloc_sequence()
     # slots 8.. hold 1 draft under the default ladder with 3 drafts
     assert [eng.counts.slot_draft_capacity(s.slot) for s in seqs] == [3] * 8 + [1] * 4
     _free_all(eng, seqs)
-    assert (eng.slots.live, eng.blocks.free_count) == (slots_live, free)
+    assert (eng.blocks.slots.live, eng.blocks.kv.free_count) == (slots_live, free)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -356,7 +356,7 @@ def test_zero_recompiles_in_a_ragged_verify_loop(eng, greedy_ref, fused):
             for s in seqs:
                 eng.trim_proposer(s)
                 if s.seq_len > 200:
-                    eng.rewind(s, s.seq_len - len(PROMPT))
+                    eng.blocks.rewind(s, s.seq_len - len(PROMPT))
         assert eng.programs.compilations == before
         assert compiles == []
     finally:

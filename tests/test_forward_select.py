@@ -3,7 +3,8 @@ jnp reference twins), end to end on the embedded tiny model.
 
 Scenario (`_scenario`, the same calls on every engine): prefill, one prompt in 64-token chunks
 whose keys cross a 64-key attention tile; decode; batched decode; propose; ragged batched verify
-with write-on-accept, then stash, fold, rewind and commit; propose again; a batched decode.
+with write-on-accept, then its verdict (`accept`: fold, rewind, commit and stash); propose again; a
+batched decode.
 
 Claims:
 - The two forwards return byte-identical logits, argmaxes, drafts and confidences and hold a
@@ -71,14 +72,10 @@ def _scenario(eng: Engine) -> dict:
     x, am = eng.verify_batched(seqs, [t for r in rows for t in r], KS)
     out["verify"] = ({"logits": x, "argmax": am}, _pool(eng))
 
-    off = np.concatenate([[0], np.cumsum(KS)])
-    eng.stash_verify_hidden_rows(seqs, [int(off[i]) + na for i, na in enumerate(ACCEPTED)])
-    eng.gdn_fold_accepted(seqs, [na + 1 for na in ACCEPTED], KS)
-    for s, k, na in zip(seqs, KS, ACCEPTED):
-        eng.rewind(s, k - 1 - na)
-    eng.commit_accepted_prefixes(seqs, [na + 1 for na in ACCEPTED], KS)
+    eng.accept(seqs, ACCEPTED)  # the GDN fold, the rewind, the conv commit and the stash
     out["fold_commit"] = ({"seq_lens": np.array([s.seq_len for s in seqs])}, _pool(eng))
 
+    off = np.concatenate([[0], np.cumsum(KS)])
     last = [int(am[off[i] + na]) for i, na in enumerate(ACCEPTED)]
     drafts, conf, x = eng.propose_batched(seqs, last, 3)
     for s in seqs:

@@ -35,7 +35,7 @@ def eng(tiny):
 def _snapshot(eng, seqs):
     """Everything a refused call must leave alone: host facts and the pool's bytes."""
     host = [(s.seq_len, list(s.blocks), list(s.draft_blocks), list(s.tokens), s.drafter_len) for s in seqs]
-    free = (eng.slots.live, eng.blocks.free_count, eng.draft_blocks.free_count)
+    free = (eng.blocks.slots.live, eng.blocks.kv.free_count, eng.blocks.draft.free_count)
     return host, free, [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(eng.pool)]
 
 

@@ -144,14 +144,14 @@ def test_speculative_with_prefix_cache_equals_greedy_without(tiny, num_drafts):
     conversation's own history, two sequences live over shared blocks) generate with the cache on
     and MTP drafts exactly the tokens plain greedy generates without the cache."""
     on, off = _engine(tiny, chunk=32), _engine(tiny, cache=False, chunk=32)
-    on.default_namespace = _ns_name()
-    hits = on.prefix.hits if on.prefix else 0
+    on.blocks.default_namespace = _ns_name()
+    hits = on.blocks.prefix.hits if on.blocks.prefix else 0
     cached = _conversations(
         on, 3, lambda e, ps: speculative_generate(e, ps, 10, DraftSchedule(num_drafts), fused=num_drafts != 2).tokens
     )
     plain = _conversations(off, 3, lambda e, ps: greedy_generate(e, ps, 10))
     assert cached == plain
-    assert on.prefix is not None and on.prefix.hits - hits >= 5
+    assert on.blocks.prefix is not None and on.blocks.prefix.hits - hits >= 5
 
 
 def test_snapshot_slot_reused_after_lru_eviction_holds_the_new_prefix(tiny):
@@ -161,10 +161,10 @@ def test_snapshot_slot_reused_after_lru_eviction_holds_the_new_prefix(tiny):
     eng = _engine(tiny)
     ns = _ns_name()
     prompts = [_tokens(200 + i, 20 + i) for i in range(5)]
-    evictions = eng.prefix.snapshots.evictions if eng.prefix else 0
+    evictions = eng.blocks.prefix.snapshots.evictions if eng.blocks.prefix else 0
     for p in prompts:
         _prime(eng, p, 16, ns)
-    assert eng.prefix is not None and eng.prefix.snapshots.evictions > evictions
+    assert eng.blocks.prefix is not None and eng.blocks.prefix.snapshots.evictions > evictions
     first, s0 = _prefilled(eng, ns, [prompts[0] + [1, 2]], 16)
     last, s4 = _prefilled(eng, ns, [prompts[4] + [3, 4]], 16)
     ref, r = _computed(eng, prompts[4] + [3, 4], 16, 16)
@@ -259,24 +259,24 @@ def test_evicting_a_referenced_block_is_refused_and_exhaustion_evicts_the_lru(ti
     """A cached block a live sequence maps cannot be evicted; once unreferenced it waits in the
     LRU, and an allocation the free list cannot meet evicts from there instead of failing."""
     eng = _engine(tiny)
-    assert eng.prefix is not None
+    assert eng.blocks.prefix is not None
     ns = _ns_name()
     _prime(eng, _tokens(11, 40), None, ns)
     s = eng.alloc_sequence(ns)
     eng.prefill(s, _tokens(11, 40) + [5])
     shared = s.blocks[0]
-    assert eng.prefix.kv.refs(shared) == 1
+    assert eng.blocks.prefix.kv.refs(shared) == 1
     with pytest.raises(EngineError, match="referenced"):
-        eng.prefix.kv.evict_block(shared)
+        eng.blocks.prefix.kv.evict_block(shared)
     with pytest.raises(EngineError, match="shared"):
-        eng.rewind(s, 10)
+        eng.blocks.rewind(s, 10)
     eng.free_sequence(s)
-    assert eng.prefix.kv.refs(shared) == 0 and eng.prefix.kv.evictable > 0
-    free, lru = eng.blocks.free_count, eng.prefix.kv.evictable
-    eng._make_room(free + lru + 1, 0)  # more than eviction could give: nothing changes
-    assert (eng.blocks.free_count, eng.prefix.kv.evictable) == (free, lru)
-    eng._make_room(free + 1, 0)  # what the allocator asks for one block past the free list
-    assert (eng.blocks.free_count, eng.prefix.kv.evictable) == (free + 1, lru - 1)
+    assert eng.blocks.prefix.kv.refs(shared) == 0 and eng.blocks.prefix.kv.evictable > 0
+    free, lru = eng.blocks.kv.free_count, eng.blocks.prefix.kv.evictable
+    eng.blocks.make_room(free + lru + 1, 0)  # more than eviction could give: nothing changes
+    assert (eng.blocks.kv.free_count, eng.blocks.prefix.kv.evictable) == (free, lru)
+    eng.blocks.make_room(free + 1, 0)  # what the allocator asks for one block past the free list
+    assert (eng.blocks.kv.free_count, eng.blocks.prefix.kv.evictable) == (free + 1, lru - 1)
 
 
 def test_snapshot_exhaustion_falls_back_to_computing():
@@ -322,30 +322,30 @@ def test_diff_prefill_cached_leg_restores_and_passes(tiny):
         (p, "restored at 256", 256 + CACHED_TAIL) for p in ("single", "chunk 64") * 2
     ]
     assert all(c["prefill_equal"] for e in report["cached"] for c in e["comparisons"])
-    assert "restored at 256" in render_summary(report) and eng.slots.live == 0
+    assert "restored at 256" in render_summary(report) and eng.blocks.slots.live == 0
 
 
 def test_diff_cached_leg_fails_on_a_wrong_snapshot_and_on_no_restore(tiny, monkeypatch):
     """Planted bugs: a restore from another prefix's snapshot slot FAILs naming a differing state
     leaf; a leg whose prime left no snapshot FAILs for not restoring."""
     eng = _engine(tiny)
-    assert eng.prefix is not None
+    assert eng.blocks.prefix is not None
     prompt, tail = _tokens(30, 64), _tokens(31, 37)
     ref = Variant(REFERENCE, REFERENCE)
     _prime(eng, _tokens(32, 64), None, _ns_name())  # another prefix in another snapshot slot
-    right = eng.prefix.longest
+    right = eng.blocks.prefix.longest
 
     def wrong(namespace, tokens):
         hit = right(namespace, tokens)
-        other = (hit.snapshot.slot + 1) % eng.prefix.snapshots.n if hit else 0
+        other = (hit.snapshot.slot + 1) % eng.blocks.prefix.snapshots.n if hit else 0
         return dataclasses.replace(hit, snapshot=Snapshot(other, hit.snapshot.position)) if hit else None
 
-    monkeypatch.setattr(eng.prefix, "longest", wrong)
+    monkeypatch.setattr(eng.blocks.prefix, "longest", wrong)
     entry, reason = cached_leg(eng, ref, "single", None, prompt, tail)
     assert entry["restored_at"] == 64 and reason and "differs" in reason
     assert entry["comparisons"][0]["state_diff"] is not None
-    monkeypatch.setattr(eng.prefix, "longest", right)
-    monkeypatch.setattr(eng.prefix.snapshots, "claim", lambda key, position: None)
+    monkeypatch.setattr(eng.blocks.prefix, "longest", right)
+    monkeypatch.setattr(eng.blocks.prefix.snapshots, "claim", lambda key, position: None)
     entry, reason = cached_leg(eng, ref, "single", None, _tokens(33, 64), tail)
     assert entry["taken"] == "computed" and reason and "did not restore" in reason
 
@@ -354,21 +354,23 @@ def test_a_refused_restore_gives_its_shared_blocks_back(tiny, monkeypatch):
     """A restore whose tail cannot be reserved is refused with nothing changed: the shared blocks'
     references are back, the sequence is still fresh, and a later prefill restores normally."""
     eng = _engine(tiny)
-    assert eng.prefix is not None
+    assert eng.blocks.prefix is not None
     ns, prompt = _ns_name(), _tokens(40, 40)
     _prime(eng, prompt, None, ns)
     s = eng.alloc_sequence(ns)
-    refs = [eng.prefix.kv.refs(b) for b in range(eng.counts.kv_blocks - 1)]
-    free = eng.blocks.free_count
+    refs = [eng.blocks.prefix.kv.refs(b) for b in range(eng.counts.kv_blocks - 1)]
+    free = eng.blocks.kv.free_count
 
     def refuse(*args, **kwargs):
         raise EngineError("KV blocks exhausted")
 
-    monkeypatch.setattr(eng, "_reserve", refuse)
+    monkeypatch.setattr(eng.blocks, "reserve", refuse)
     with pytest.raises(EngineError, match="exhausted"):
         eng.prefill(s, prompt + [1])
     assert (s.blocks, s.draft_blocks, s.seq_len, s.tokens) == ([], [], 0, [])
-    assert [eng.prefix.kv.refs(b) for b in range(eng.counts.kv_blocks - 1)] == refs and eng.blocks.free_count == free
+    assert [
+        eng.blocks.prefix.kv.refs(b) for b in range(eng.counts.kv_blocks - 1)
+    ] == refs and eng.blocks.kv.free_count == free
     monkeypatch.undo()
     eng.prefill(s, prompt + [1])
     assert s.restored_at == 32
@@ -378,10 +380,10 @@ def test_a_refused_restore_gives_its_shared_blocks_back(tiny, monkeypatch):
 def _check_accounting(eng, live):
     """Every KV and drafter block is exactly one of: free, cached and unreferenced (the LRU), or
     held by live sequences (a cached one with as many references as holders, an own one by one)."""
-    assert eng.prefix is not None
+    assert eng.blocks.prefix is not None
     for alloc, cache, held in (
-        (eng.blocks, eng.prefix.kv, [s.blocks for s in live]),
-        (eng.draft_blocks, eng.prefix.draft, [s.draft_blocks for s in live]),
+        (eng.blocks.kv, eng.blocks.prefix.kv, [s.blocks for s in live]),
+        (eng.blocks.draft, eng.blocks.prefix.draft, [s.draft_blocks for s in live]),
     ):
         free = alloc._free
         holders = collections.Counter(b for blocks in held for b in blocks)
@@ -401,9 +403,9 @@ def test_block_accounting_holds_through_random_sharing_and_eviction(tiny):
     rng = np.random.default_rng(5)
     ns, stems = _ns_name(), [_tokens(50 + i, 160) for i in range(2)]
     # all but 40 free blocks away (more than 2 live sequences of up to 220 tokens need): the cache must evict
-    hog = types.SimpleNamespace(blocks=eng.blocks.alloc_many(eng.blocks.free_count - 40), draft_blocks=[])
+    hog = types.SimpleNamespace(blocks=eng.blocks.kv.alloc_many(eng.blocks.kv.free_count - 40), draft_blocks=[])
     live: list = []
-    restored, evictions = 0, eng.prefix.kv.evictions if eng.prefix else 0
+    restored, evictions = 0, eng.blocks.prefix.kv.evictions if eng.blocks.prefix else 0
     try:
         for _ in range(20):
             if len(live) == 2 or (live and rng.random() < 0.35):
@@ -418,9 +420,9 @@ def test_block_accounting_holds_through_random_sharing_and_eviction(tiny):
     finally:
         for s in reversed(live):
             eng.free_sequence(s)
-        eng.blocks.free_many(hog.blocks)
+        eng.blocks.kv.free_many(hog.blocks)
     _check_accounting(eng, [])
-    assert restored >= 3 and eng.prefix.kv.evictions > evictions
+    assert restored >= 3 and eng.blocks.prefix.kv.evictions > evictions
 
 
 def test_the_branch_point_of_a_shared_prefix_gets_a_snapshot(tiny):

@@ -69,9 +69,7 @@ def served(tiny):
     eng.verify_batched(seqs, [2, 3] * N, [2] * N)
     eng.rollback_verify(seqs)
     eng.verify_batched(seqs, [2, 3] * N, [2] * N)
-    eng.stash_verify_hidden_rows(seqs, [2 * i for i in range(N)])
-    eng.gdn_fold_accepted(seqs, [1] * N, [2] * N)
-    eng.commit_accepted_prefixes(seqs, [1] * N, [2] * N)
+    eng.accept(seqs, [0] * N)  # fold, commit and stash
     eng.propose_batched(seqs, [3] * N, s.num_drafts)
     for q in seqs:
         eng.trim_proposer(q)

@@ -22,7 +22,7 @@ import os
 import click
 import numpy as np
 
-import metrale_jax.engine.engine as engine_module
+import metrale_jax.engine.placement as placement
 from benchmarks import models
 from benchmarks.probes.step_times import captured_step
 from benchmarks.steps import StepBench, max_seq_len_for
@@ -32,8 +32,8 @@ from metrale_jax.model.linear import transpose_weights
 ENGINE = "engine's"
 NO_ROWS_KERNEL = "engine's, XLA's dot"
 LAYOUTS = {
-    ENGINE: engine_module.backend_layout,
-    NO_ROWS_KERNEL: engine_module.backend_layout,
+    ENGINE: placement.backend_layout,
+    NO_ROWS_KERNEL: placement.backend_layout,
     "[in, out] stacked": lambda params, cfg, mesh: transpose_weights(params),
     "[out, in]": lambda params, cfg, mesh: params,
 }
@@ -72,13 +72,13 @@ def command(name: str, step_texts: tuple[str, ...], rounds: int, reps: int) -> N
     for kind, n, k in steps:
         timers = {}
         for layout, place in LAYOUTS.items():
-            engine_module.backend_layout = place
+            placement.backend_layout = place
             if layout == NO_ROWS_KERNEL:
                 os.environ[DISABLE_ENV] = "0"  # read when the engine's programs are traced (in `timer`)
             try:
                 timers[layout] = timer(cfg, params, kind, n, k, rng)
             finally:
-                engine_module.backend_layout = LAYOUTS[ENGINE]
+                placement.backend_layout = LAYOUTS[ENGINE]
                 os.environ.pop(DISABLE_ENV, None)
         best = {layout: float("inf") for layout in LAYOUTS}
         for _ in range(rounds):

@@ -150,7 +150,7 @@ def diff_prefill(
                 "timings": timings,
             }
         )
-        if length >= CACHED_MIN_TOKENS and engine.prefix is not None:
+        if length >= CACHED_MIN_TOKENS and engine.blocks.prefix is not None:
             progress.section(f"prefill cached L={length}+{CACHED_TAIL}", len(forwards) * len(paths))
             tail = prompt_of_len(CACHED_TAIL + 1, vocab)[1:]
             for v in forwards:
@@ -172,6 +172,6 @@ def diff_prefill(
     if control.prefill_equal:
         reasons.append("the prefill detection control saw no difference after changing a token")
     fields = {"lengths": sections, "cached": cached, "detection_control": control.to_json()}
-    if engine.prefix is None and longest >= CACHED_MIN_TOKENS:
+    if engine.blocks.prefix is None and longest >= CACHED_MIN_TOKENS:
         fields["cached_skipped"] = "the engine serves without --enable-prefix-caching"
     return fields, reasons

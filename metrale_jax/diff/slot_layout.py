@@ -50,7 +50,7 @@ class SequenceBatch:
 
     def __init__(self, engine: Engine, n: int, fragment: bool = False, namespace: str | None = None):
         self.engine, self.n, self.fragment = engine, n, fragment
-        cached = engine.prefix is not None
+        cached = engine.blocks.prefix is not None
         self.namespace = (namespace or private_namespace()) if cached else None
         self.seqs: list[SequenceState] = []
         self._allocated: list[SequenceState] = []

@@ -5,8 +5,8 @@ Owns: `chain_keys` (the digest of every block-aligned prefix of a token list, pe
 `BlockCache` (the cached blocks of one paged KV pool: key <-> block, reference counts, the LRU of
 the unreferenced ones), `SnapshotTable` (which prefix each recurrent-state snapshot slot holds,
 in LRU order) and `PrefixCache` (the three of them for one engine, with `longest`, the restore
-lookup). Pure host state: the device copies are the engine's (`transitions.take_snapshot`,
-`transitions.restore_snapshot`).
+lookup). Pure host state, no JAX and no NumPy: the block manager (`engine.blocks`) drives it, the
+device copies are the engine's (`transitions.take_snapshot`, `transitions.restore_snapshot`).
 
 Invariants:
 - A key digests (namespace, a tag naming the pool, the tokens of the prefix the entry depends
@@ -22,12 +22,11 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import hashlib
 from collections.abc import Sequence
-
-import numpy as np
 
 from metrale_jax.engine.sequences import EngineError
 
@@ -38,7 +37,7 @@ def chain_keys(namespace: str, tag: str, tokens: Sequence[int], block: int, extr
     """keys[j] digests (namespace, tag, tokens[: block * (j + 1) + extra]) for every j whose prefix
     fits in `tokens`. One pass: a running hash per block, copied for the `extra` tokens."""
     h = hashlib.blake2b(f"{namespace}\x00{tag}\x00".encode(), digest_size=16)
-    arr = np.asarray(tokens, np.int64)
+    arr = array.array("q", tokens)  # int64: the same bytes as a NumPy int64 array
     out = []
     for j in range((len(arr) - extra) // block if len(arr) >= extra else 0):
         h.update(arr[j * block : (j + 1) * block].tobytes())
@@ -182,7 +181,7 @@ class PrefixCache:
         self.kv = BlockCache("KV")
         self.draft = BlockCache("drafter KV")
         self.snapshots = SnapshotTable(snapshot_slots)
-        self.hits = 0
+        self.hits = 0  # restores found by `longest`
 
     def kv_keys(self, namespace: str, tokens: Sequence[int]) -> list[Key]:
         return chain_keys(namespace, TRUNK, tokens, self.block_size)
@@ -200,7 +199,7 @@ class PrefixCache:
     def longest(self, namespace: str, tokens: Sequence[int]) -> Hit | None:
         """The longest restorable prefix of `tokens` shorter than all of it (a prefill computes at
         least one token): a snapshot at a block-aligned position p whose KV blocks (and drafter
-        blocks) are all still cached. Touches what it returns in the LRUs; counts a hit."""
+        blocks) are all still cached. Touches what it returns in the LRUs; counts the hit."""
         keys = self.kv_keys(namespace, tokens[: len(tokens) - 1])
         for j in range(len(keys) - 1, -1, -1):
             snap = self.snapshots.peek(keys[j])

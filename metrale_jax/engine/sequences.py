@@ -1,9 +1,9 @@
-"""Host bookkeeping: sequence state, the slot free list and the block allocators.
+"""What the host knows of a sequence, and the engine's one error.
 
-Owns: `SequenceState` (what the host knows of a sequence), `SlotAllocator` (LIFO, so freeing in
-reverse allocation order reproduces the same layout) and `BlockAllocator`.
-Invariants: a slot or block is owned by at most one live sequence; allocation is all-or-nothing
-(a request that cannot be met changes nothing); freeing twice is an error.
+Owns: `SequenceState` (a sequence's slot, blocks, lengths and tokens, as the block manager and
+the engine keep them) and `EngineError` (a request the engine refuses).
+Invariants: imports no JAX and no NumPy (the block manager, `engine.blocks`, builds on it); a
+sequence's slot and blocks change only through the block manager.
 """
 
 from __future__ import annotations
@@ -38,50 +38,3 @@ class SequenceState:
     namespace: str | None = None
     restored_at: int = 0
     shared_len: int = 0
-
-
-class SlotAllocator:
-    """LIFO free list over slots 0..n-1: the first allocation gets slot 0."""
-
-    def __init__(self, n: int):
-        self._free = list(range(n - 1, -1, -1))
-        self._live: set[int] = set()
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise EngineError("no free sequence slot (all slots are in use; raise --max-batch-size)")
-        s = self._free.pop()
-        self._live.add(s)
-        return s
-
-    def free(self, s: int) -> None:
-        if s not in self._live:
-            raise EngineError(f"slot {s} is not allocated")
-        self._live.remove(s)
-        self._free.append(s)
-
-    @property
-    def live(self) -> int:
-        return len(self._live)
-
-
-class BlockAllocator:
-    """Free list over physical blocks 0..n-1 (the null block is outside this range)."""
-
-    def __init__(self, n: int, what: str):
-        self._free = list(range(n - 1, -1, -1))
-        self._n = n
-        self._what = what
-
-    def alloc_many(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise EngineError(f"{self._what} exhausted: {count} block(s) needed, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(count)]
-        return out
-
-    def free_many(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
