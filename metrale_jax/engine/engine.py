@@ -555,8 +555,8 @@ class Engine:
         reason = self.can_batch_verify(seqs, ks)
         if reason:
             raise EngineError(reason)
-        if not 0 <= num_drafts <= (self.settings.num_drafts if self.drafter else 0):
-            raise EngineError(f"num_drafts {num_drafts} outside 0..{self.settings.num_drafts if self.drafter else 0}")
+        if not 0 <= num_drafts <= self.counts.propose_drafts:
+            raise EngineError(f"num_drafts {num_drafts} outside 0..{self.counts.propose_drafts}")
         if len(tokens) != sum(ks):
             raise EngineError(f"{len(tokens)} tokens for ks summing to {sum(ks)}")
         pending = [s.seq_id for s in seqs if s.seq_id in self._verified]
@@ -686,8 +686,8 @@ class Engine:
         the last draft position [n, V] f32), numpy."""
         if not self.drafter:
             raise EngineError("no MTP drafter (needs --speculative and a checkpoint with MTP layers)")
-        if not 1 <= num_drafts <= self.settings.num_drafts:
-            raise EngineError(f"num_drafts {num_drafts} outside 1..{self.settings.num_drafts}")
+        if not 1 <= num_drafts <= self.counts.propose_drafts:
+            raise EngineError(f"num_drafts {num_drafts} outside 1..{self.counts.propose_drafts}")
         self._reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
         n = len(seqs)
         x = ProposeBatch.padded(self.counts, self.draft_width, bucket_width(n))
