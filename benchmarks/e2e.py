@@ -1,7 +1,7 @@
 """Section `e2e`: steady-state tokens/s of speculative generation against plain greedy generation, in one run.
 
 Owns: `OracleDrafts` (a draft source that replays the greedy continuation with a planted per-position
-acceptance), `StepClock` (the progress callback that times a generate call's steps) and `run`.
+acceptance) and `run`; a call is timed by `metrale_jax.engine.throughput.StepClock`.
 
 Cases, each over n prompts generated together:
 - `small` (the shipped preset, its trained MTP head drafting): n held-out text prompts, `speculative_generate`
@@ -18,9 +18,9 @@ padded to K_max = num_drafts + 1, so d drafts on a deeper engine would pay for r
 Timing: one warm-up call of every (engine, mode) at each n first (it compiles every program and width
 bucket the timed calls use: the same prompts take the same path). Then `e2e_rounds` rounds, each calling
 greedy and every speculative variant once, in reversed order on odd rounds. A call's tokens/s is its
-steady state: the tokens emitted from its first progress report (after the prefill) to its last over the
-time between them (tokens past max_new_tokens per prompt are not counted). The ratio is the
-median of the per-round ratios speculative / greedy.
+steady state (`metrale_jax.engine.throughput`): after the warm-up, the tokens emitted from its first progress
+report (after the prefill) to its last over the time between them (tokens past max_new_tokens per prompt are
+not counted). The ratio is the median of the per-round ratios speculative / greedy.
 
 Invariant checked on every call: speculative generation emits exactly the greedy tokens ("same").
 """
@@ -41,6 +41,7 @@ from benchmarks.steps import max_seq_len_for
 from benchmarks.timing import Stats
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.speculative import DraftSchedule, DraftSource, greedy_generate, speculative_generate
+from metrale_jax.engine.throughput import StepClock
 from metrale_jax.research import heldout_prompts
 
 DRAFTER_MODEL = "small"
@@ -91,23 +92,6 @@ class OracleDrafts:
         return out
 
 
-class StepClock:
-    """The `progress` callback of one generate call: the time of every report (after the prefill and after
-    every step) and the tokens emitted so far. `rate()`: tokens/s from the first report to the last."""
-
-    def __init__(self) -> None:
-        self.marks: list[tuple[float, int]] = []
-
-    def __call__(self, emitted: int) -> None:
-        self.marks.append((time.perf_counter(), emitted))
-
-    def rate(self) -> float:
-        if len(self.marks) < 2:
-            return float("nan")
-        (t0, e0), (t1, e1) = self.marks[0], self.marks[-1]
-        return (e1 - e0) / (t1 - t0)
-
-
 @dataclasses.dataclass
 class Variant:
     """One speculative configuration of a case: its engine, draft count, mode and what its calls gave."""
@@ -136,14 +120,14 @@ def _case(
     `prompts`; fills each variant's figures and returns greedy's tokens/s per round."""
 
     def greedy() -> float:
-        clock = StepClock()
+        clock = StepClock(greedy_engine.programs)
         out = greedy_generate(greedy_engine, prompts, new_tokens, progress=clock)
         if out != reference:
             raise RuntimeError("greedy generation is not deterministic across calls")
         return clock.rate()
 
     def spec(v: Variant) -> float:
-        clock = StepClock()
+        clock = StepClock(v.engine.programs)
         schedule = DraftSchedule(v.drafts, v.engine.settings.k_ladder)
         res = speculative_generate(
             v.engine, prompts, new_tokens, schedule, draft_source, fused=v.mode == "fused", progress=clock

@@ -16,16 +16,14 @@ Invariants:
 - A request the engine would quietly reduce says so: drafts over what the K ladder gives one
   active sequence are clamped, the engine is built for the clamped count, and a `note:` line
   states it.
-- Steady-state tokens/s counts only the scheduler steps that compiled no program (each step timed
-  between two `progress` callbacks); the compile seconds are the engine's
-  `ProgramCache.compile_seconds`.
+- Steady-state tokens/s is `metrale_jax.engine.throughput`'s (the steps after the prefill that
+  compiled no program); the compile seconds are the engine's `ProgramCache.compile_seconds`.
 Defaults differing from a serve (each overridable by its flag): one slot (`--max-batch-size 1`),
 `--max-seq-len` just covering what the request reaches, `--kv-cache-dtype f32`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -35,10 +33,10 @@ import click
 from metrale_jax.diff.progress import Bar
 from metrale_jax.engine.capacity import ladder_drafts
 from metrale_jax.engine.engine import Engine
-from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.settings import format_k_ladder, resolve_settings
 from metrale_jax.engine.sharding import make_mesh
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
+from metrale_jax.engine.throughput import StepClock
 from metrale_jax.memory.plan import require_room, serve_pools
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax.presets_data import PRESET_DIRS
@@ -71,42 +69,6 @@ def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
     drafts, a verify's K = drafts + 1 rows past the last committed token plus the next propose's
     drafts (the engine reserves both before it runs them; 0 drafts = plain greedy)."""
     return prompt_tokens + max_new_tokens + 2 * drafts
-
-
-@dataclasses.dataclass
-class StepClock:
-    """A `progress` callback: times each scheduler step (from the previous callback; the first
-    from `start`, so it holds the prefill), and sums the steps during which `programs` compiled
-    nothing; advances `bar` by the tokens each step emitted."""
-
-    programs: ProgramCache
-    bar: Bar
-    start: float
-    warm_seconds: float = 0.0
-    warm_tokens: int = 0
-    warm_steps: int = 0
-    _tokens: int = 0
-    _compilations: int = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self._compilations = self.programs.compilations
-
-    def __call__(self, tokens: int) -> None:
-        now = time.perf_counter()
-        if self.programs.compilations == self._compilations:
-            self.warm_seconds += now - self.start
-            self.warm_tokens += tokens - self._tokens
-            self.warm_steps += 1
-        self.bar.advance(tokens - self._tokens)
-        self.start, self._tokens, self._compilations = now, tokens, self.programs.compilations
-
-    def line(self) -> str:
-        if not self.warm_steps:
-            return "steady state: not measured (every step compiled a program; ask for more --max-new-tokens)"
-        return (
-            f"steady state: {self.warm_tokens / self.warm_seconds:.1f} tokens/s ({self.warm_tokens} tokens in the "
-            f"{self.warm_steps} steps that compiled nothing)"
-        )
 
 
 @click.command("generate")
@@ -180,7 +142,7 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
     bar = Bar()
     bar.section("generate", max_new_tokens)
     t0 = time.perf_counter()
-    clock = StepClock(engine.programs, bar, t0)
+    clock = StepClock(engine.programs, bar.advance)
     run = None
     try:
         if settings.speculative:

@@ -28,11 +28,13 @@
 #
 # Which proxy matters depends on what a step costs, so a third panel row puts them to the test:
 # the **measured** wall-clock speed-up of speculative over plain greedy generation at each width
-# (steady state: every program compiled by an untimed run first; the fused step, one program per
-# scheduler step; greedy on a plain serve, speculative on a serve of that many drafts; runs
-# alternated, medians), next to a stated *model* (dashed, not a measurement): a verify step costs
-# one memory-bound pass until its rows exceed `R_SAT`, then grows linearly (a roofline). The
-# machine it ran on is named on the figure: a CPU step is compute-bound much earlier than a GPU's.
+# (steady state, `metrale_jax.engine.throughput`'s: the tokens of the decode loop after the
+# prefills over its seconds, every program compiled by an untimed run first; the fused step, one
+# program per scheduler step; greedy on a plain serve, speculative on a serve of that many
+# drafts; runs alternated, medians), next to a stated *model* (dashed, not a measurement): a
+# verify step costs one memory-bound pass until its rows exceed `R_SAT`, then grows linearly (a
+# roofline). The machine it ran on is named on the figure: a CPU step is compute-bound much
+# earlier than a GPU's.
 
 # %%
 import os

@@ -398,18 +398,6 @@ def test_oracle_drafts_replay_the_continuation_with_the_planted_acceptance():
     assert oracle(0, prompt + cont, 2) == [1, 1]  # past the continuation: (0 + 1) mod V
 
 
-def test_step_clock_rates_tokens_between_its_first_and_last_report(monkeypatch):
-    from benchmarks import e2e
-
-    clock = e2e.StepClock()
-    assert math.isnan(clock.rate())
-    ticks = iter([1.0, 1.5, 3.0])
-    monkeypatch.setattr(e2e.time, "perf_counter", lambda: next(ticks))
-    for emitted in (4, 10, 24):
-        clock(emitted)
-    assert clock.rate() == pytest.approx(10.0)  # (24 - 4) tokens over 2 s
-
-
 def test_cpu_roofline_counts_routed_experts_and_the_drafter_and_measures_each_size_once(monkeypatch):
     from benchmarks import cpu_roofline
 

@@ -3,15 +3,10 @@ continuation plain, fused and composed, acceptance statistics, compile time and 
 a clamped draft count said, and one-line user errors, oversized requests refused before anything
 is allocated."""
 
-import io
-import time
-
 import pytest
 from click.testing import CliRunner
 
-from metrale_jax.diff.progress import Bar
-from metrale_jax.engine.programs import ProgramCache
-from metrale_jax_cli.generate_cmd import StepClock, generate
+from metrale_jax_cli.generate_cmd import generate
 
 PROMPT = "class Stack:\n    def push(self, item):\n        "
 
@@ -52,23 +47,6 @@ def test_composed_step_and_clamped_drafts_say_so(greedy):
     assert _continuation(res.output) == _continuation(greedy.output)
     assert "speculative, composed step, up to 3 MTP draft(s) per verify" in res.output
     assert "note: --num-drafts 64 clamped to 3: the K ladder 4:3,8:3,16:1,32:1" in res.output
-
-
-def test_step_clock_counts_only_steps_that_compiled_nothing():
-    programs = ProgramCache()
-    clock = StepClock(programs, Bar(io.StringIO()), time.perf_counter())
-    programs.compilations += 2
-    clock(5)  # the prefill and the first step compiled
-    clock(9)
-    clock(12)
-    programs.compilations += 1
-    clock(20)
-    assert (clock.warm_steps, clock.warm_tokens) == (2, 7) and clock.warm_seconds > 0
-    assert clock.line().startswith("steady state: ") and "7 tokens in the 2 steps" in clock.line()
-    cold = StepClock(programs, Bar(io.StringIO()), time.perf_counter())
-    programs.compilations += 1
-    cold(3)
-    assert cold.line().startswith("steady state: not measured")
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,11 @@ import click
 import numpy as np
 
 from benchmarks import models
-from benchmarks.e2e import OracleDrafts, StepClock
+from benchmarks.e2e import OracleDrafts
 from benchmarks.steps import DeviceStep, max_seq_len_for
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
+from metrale_jax.engine.throughput import StepClock
 
 NEW_TOKENS, PROMPT_LEN, DRAFTS, ACCEPT = 48, 64, 3, 0.8
 

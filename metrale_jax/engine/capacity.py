@@ -240,6 +240,11 @@ class PoolCounts:
         return self.slot_drafts[slot] if slot < self.mtp_slots else 0
 
     @property
+    def propose_drafts(self) -> int:
+        """The most drafts one propose may chain: `k - 1` with an MTP drafter, else 0."""
+        return self.k - 1 if self.drafter else 0
+
+    @property
     def drafter(self) -> bool:
         """An MTP drafter runs (a speculative serve of a model with MTP layers): exactly when the
         drafter's stash has rows."""

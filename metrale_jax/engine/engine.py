@@ -315,9 +315,8 @@ class Engine(VerdictProtocol):
         rollback runs the composed step)."""
         if self.replay:
             raise EngineError("the fused speculative step needs --ssm-rollback-mode snapshot")
-        most = self.settings.num_drafts if self.drafter else 0
-        if not 0 <= num_drafts <= most:
-            raise EngineError(f"num_drafts {num_drafts} outside 0..{most}")
+        if not 0 <= num_drafts <= self.counts.propose_drafts:
+            raise EngineError(f"num_drafts {num_drafts} outside 0..{self.counts.propose_drafts}")
         pending = self._awaiting(seqs)
         if pending:
             raise EngineError(f"sequence(s) {pending} have a verify awaiting its verdict (Engine.accept)")
@@ -355,8 +354,8 @@ class Engine(VerdictProtocol):
         the last draft position [n, V] f32), numpy."""
         if not self.drafter:
             raise EngineError("no MTP drafter (needs --speculative and a checkpoint with MTP layers)")
-        if not 1 <= num_drafts <= self.settings.num_drafts:
-            raise EngineError(f"num_drafts {num_drafts} outside 1..{self.settings.num_drafts}")
+        if not 1 <= num_drafts <= self.counts.propose_drafts:
+            raise EngineError(f"num_drafts {num_drafts} outside 1..{self.counts.propose_drafts}")
         self.blocks.reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
         n = len(seqs)
         x = batching.propose_batch(self.counts, self.draft_width, seqs, last)

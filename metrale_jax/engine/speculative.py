@@ -1,17 +1,25 @@
 """Greedy generation, plain and speculative (MTP drafts verified in batches), on an `Engine`.
 
-Owns: the scheduler loop (a step: verify, acceptance, verdict, the next drafts), draft schedules
-(drafts per active width, the K ladder, a confidence stop), and per-step statistics. A step runs
-either fused (`Engine.speculative_step`: one program, one transfer) or composed (`verify_batched`,
-host acceptance, `Engine.accept`, `propose_batched`: the programs the diff replays one by one).
+Owns: the scheduler's state (`SchedulerState`: one `Generation` per prompt, with its
+`SequenceParams`, and the `StepRecord` of every step), the one function that advances it by a
+step (`Scheduler.advance`: verify, acceptance, verdict, the next drafts), the draft count
+(`draft_limit`, the only place it is decided), draft schedules (drafts per active width, the K
+ladder, a confidence stop) and per-step statistics. A step runs either fused
+(`Engine.speculative_step`: one program, one transfer) or composed (`verify_batched`, host
+acceptance, `Engine.accept`, `propose_batched`: the programs the diff replays one by one).
 
 Invariants:
 - Greedy speculative generation emits exactly the tokens plain greedy decoding emits (the
   verify's argmax decides every token; drafts only decide how many are checked at once).
+- The state is all the loop carries from one step to the next: a step reads it and the engine
+  and updates both. What one request asks for (today its token budget) is its `SequenceParams`.
+- A draft count is `draft_limit`'s: the schedule at the active width, capped by the slot's
+  draft capacity (`PoolCounts.slot_draft_capacity`, which the engine's own bound,
+  `PoolCounts.propose_drafts`, contains).
 - Both step paths verify the same drafts: the fused step proposes at least the drafts the next
-  step may ask for (the most the schedule allows at any width the step can leave active, capped
-  by the slots' capacity), and the host cuts them as the composed refill does; chained drafts do
-  not depend on how many follow them.
+  step may ask for (`draft_limit` over every width the step can leave active, for the widest
+  capacity among the sequences that may stay), and the host cuts them as the composed refill
+  does; chained drafts do not depend on how many follow them.
 """
 
 from __future__ import annotations
@@ -39,13 +47,10 @@ class DraftSchedule:
     confidence_stop: float | None = None
 
     def drafts_at(self, n_active: int) -> int:
+        """The schedule's drafts at `n_active` active sequences (before any slot's capacity)."""
         if self.ladder is None:
             return self.num_drafts
         return ladder_drafts(n_active, self.num_drafts, self.ladder)
-
-    def most_drafts(self, low: int, high: int) -> int:
-        """The most drafts at any width in low..high (1 <= low <= high)."""
-        return max(self.drafts_at(n) for n in range(low, high + 1))
 
     def cut(self, drafts: np.ndarray, confidences: np.ndarray, keep: int) -> tuple[list[int], list[float]]:
         """One sequence's proposed drafts [nd] and confidences [nd] cut to at most `keep`, and
@@ -54,6 +59,16 @@ class DraftSchedule:
             below = np.nonzero(confidences[:keep] < self.confidence_stop)[0]
             keep = int(below[0]) if below.size else keep
         return [int(x) for x in drafts[:keep]], [float(x) for x in confidences[:keep]]
+
+
+def draft_limit(schedule: DraftSchedule, capacity: int, widths: range) -> int:
+    """The most drafts a sequence whose slot holds `capacity` draft rows may verify at any of
+    `widths` active sequences: the schedule's most over those widths, capped by the capacity.
+
+    The one place the scheduler decides a draft count: a verify's (one width, the sequence's
+    slot) and the fused step's proposal (the widths the next step may have, the widest capacity
+    among the sequences that may stay)."""
+    return min(max(schedule.drafts_at(n) for n in widths), capacity)
 
 
 @dataclasses.dataclass
@@ -82,9 +97,65 @@ class GenerationResult:
         return sum(sum(a + 1 for a in s.accepted) for s in self.steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceParams:
+    """What one request asks of its generation: the place for per-sequence parameters (the
+    sampling issue adds its temperature and PRNG key here). max_new_tokens: tokens to emit, the
+    prefill's first."""
+
+    max_new_tokens: int
+
+
+@dataclasses.dataclass
+class Generation:
+    """One prompt's generation in progress.
+
+    seq: its engine sequence (the committed context, `seq.tokens`); tokens: the tokens emitted so
+    far, the prefill's argmax first (the last is the next verify's anchor row, not yet in the
+    committed context); drafts, confidences: what the next verify carries after the anchor and
+    their log-confidences (0.0 from a draft source)."""
+
+    params: SequenceParams
+    seq: SequenceState
+    tokens: list[int]
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    confidences: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to emit (0 or below: done)."""
+        return self.params.max_new_tokens - len(self.tokens)
+
+    @property
+    def emitted(self) -> int:
+        """Tokens emitted so far, counted up to max_new_tokens."""
+        return min(len(self.tokens), self.params.max_new_tokens)
+
+
+@dataclasses.dataclass
+class SchedulerState:
+    """Everything the scheduler loop carries between steps: one `Generation` per prompt (in
+    prompt order), the prompt indices the next step verifies (`active`: every prompt at the
+    first step, then those with tokens still to emit, in order) and the record of every step."""
+
+    generations: list[Generation]
+    active: list[int]
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    def emitted(self) -> int:
+        """Tokens emitted so far, all sequences together (each counted up to its max_new_tokens)."""
+        return sum(g.emitted for g in self.generations)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult([g.tokens[: g.params.max_new_tokens] for g in self.generations], self.steps)
+
+
 #: Called after the prefill and after every step with the tokens emitted so far, all sequences
 #: together (each counted up to max_new_tokens).
 OnStep = Callable[[int], None]
+
+#: `draft_source(prompt_index, committed_tokens, n)`: up to n drafts after the committed tokens.
+DraftSource = Callable[[int, list[int], int], Sequence[int]]
 
 
 def accepted_drafts(rows: Sequence[int], argmax: Sequence[int]) -> int:
@@ -96,8 +167,13 @@ def accepted_drafts(rows: Sequence[int], argmax: Sequence[int]) -> int:
     return a
 
 
-def _emitted(out: Sequence[Sequence[int]], max_new_tokens: int) -> int:
-    return sum(min(len(o), max_new_tokens) for o in out)
+def _prefilled(
+    engine: Engine, seqs: Sequence[SequenceState], prompts: Sequence[Sequence[int]], params: SequenceParams
+) -> SchedulerState:
+    """The state after each prompt's prefill into its sequence, in order: one token each (the
+    prefill's argmax), no drafts, every prompt active."""
+    gens = [Generation(params, s, [int(engine.prefill(s, p).argmax())]) for s, p in zip(seqs, prompts)]
+    return SchedulerState(gens, list(range(len(gens))))
 
 
 def greedy_generate(
@@ -108,22 +184,103 @@ def greedy_generate(
     `OnStep` says."""
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
-        out = [[int(engine.prefill(s, p).argmax())] for s, p in zip(seqs, prompts)]
+        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens))
+        gens = state.generations
         if progress is not None:
-            progress(_emitted(out, max_new_tokens))
-        while len(out[0]) < max_new_tokens:
-            logits = engine.decode_batch(seqs, [o[-1] for o in out])
-            for o, row in zip(out, logits):
-                o.append(int(row.argmax()))
+            progress(state.emitted())
+        while any(g.remaining > 0 for g in gens):
+            logits = engine.decode_batch(seqs, [g.tokens[-1] for g in gens])
+            for g, row in zip(gens, logits):
+                g.tokens.append(int(row.argmax()))
             if progress is not None:
-                progress(_emitted(out, max_new_tokens))
-        return out
+                progress(state.emitted())
+        return [g.tokens for g in gens]
     finally:
         for s in reversed(seqs):
             engine.free_sequence(s)
 
 
-DraftSource = Callable[[int, list[int], int], Sequence[int]]
+@dataclasses.dataclass(frozen=True)
+class Scheduler:
+    """What one speculative generation fixes for all its steps: the engine, the draft schedule,
+    where drafts come from (`draft_source`, else the engine's MTP drafter) and the step path
+    (`fused`: `Engine.speculative_step`; else the composed transitions)."""
+
+    engine: Engine
+    schedule: DraftSchedule
+    draft_source: DraftSource | None
+    fused: bool
+
+    def _limit(self, g: Generation, widths: range) -> int:
+        return draft_limit(self.schedule, self.engine.counts.slot_draft_capacity(g.seq.slot), widths)
+
+    def advance(self, state: SchedulerState) -> None:
+        """One step of `state`: each active generation verifies K = its drafts + 1 rows [anchor,
+        drafts...]; its accepted drafts and the verify's own token are emitted; the step is
+        recorded; generations with nothing left to emit leave `active`, and the rest get their
+        next drafts (from the fused step's propose, the drafter or the draft source)."""
+        gens = [state.generations[i] for i in state.active]
+        batch = [g.seq for g in gens]
+        ks = [len(g.drafts) + 1 for g in gens]
+        flat = [t for g in gens for t in (g.tokens[-1], *g.drafts)]
+        proposed = None
+        if self.fused:
+            nd = self._proposal(gens, ks) if self.draft_source is None and self.engine.drafter else 0
+            res = self.engine.speculative_step(batch, flat, ks, nd)
+            accepted, emitted = [int(a) for a in res.accepted], res.emitted
+            proposed = (res.drafts, res.confidences) if nd else None
+        else:
+            _, argmax = self.engine.verify_batched(batch, flat, ks)
+            off = np.concatenate([[0], np.cumsum(ks)])
+            rows = [flat[off[j] : off[j + 1]] for j in range(len(gens))]
+            accepted = [accepted_drafts(r, argmax[off[j] : off[j + 1]]) for j, r in enumerate(rows)]
+            self.engine.accept(batch, accepted)
+            emitted = [[int(t) for t in argmax[off[j] : off[j] + accepted[j] + 1]] for j in range(len(gens))]
+        state.steps.append(
+            StepRecord(list(state.active), ks, accepted, [g.drafts for g in gens], [g.confidences for g in gens])
+        )
+        for g, e in zip(gens, emitted):
+            g.tokens += e
+        still = [j for j, g in enumerate(gens) if g.remaining > 0]
+        state.active = [state.active[j] for j in still]
+        if state.active:
+            self.next_drafts(state, None if proposed is None else (proposed[0][still], proposed[1][still]))
+
+    def next_drafts(self, state: SchedulerState, proposed: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Give the active generations their next drafts, each at most its `draft_limit` at the
+        active width and cut at the confidence stop. `proposed`: the fused step's drafts and
+        confidences [n_active, nd] of the same generations; None: ask the draft source or the
+        drafter (a batched propose)."""
+        gens = [state.generations[i] for i in state.active]
+        width = range(len(gens), len(gens) + 1)
+        keep = [self._limit(g, width) for g in gens]
+        if self.draft_source is not None:
+            for i, g, k in zip(state.active, gens, keep):
+                g.drafts = [int(t) for t in self.draft_source(i, g.seq.tokens + [g.tokens[-1]], k)][:k]
+                g.confidences = [0.0] * len(g.drafts)
+            return
+        if proposed is None:
+            if max(keep) == 0:
+                for g in gens:
+                    g.drafts, g.confidences = [], []
+                return
+            d, c, _ = self.engine.propose_batched([g.seq for g in gens], [g.tokens[-1] for g in gens], max(keep))
+            for g in gens:
+                self.engine.trim_proposer(g.seq)
+            proposed = (d, c)
+        for row, (g, k) in enumerate(zip(gens, keep)):
+            g.drafts, g.confidences = self.schedule.cut(proposed[0][row], proposed[1][row], k)
+
+    def _proposal(self, gens: Sequence[Generation], ks: Sequence[int]) -> int:
+        """The drafts a fused step proposes: the most the next step may ask for. A generation
+        stays active unless it emits all it has left; it emits 1..K, so the next width lies
+        between those that stay whatever they accept and those that may stay."""
+        sure = sum(g.remaining > k for g, k in zip(gens, ks))
+        maybe = [g for g in gens if g.remaining > 1]
+        if not maybe:
+            return 0
+        widest = max(maybe, key=lambda g: self.engine.counts.slot_draft_capacity(g.seq.slot))
+        return self._limit(widest, range(max(sure, 1), len(maybe) + 1))
 
 
 def speculative_generate(
@@ -141,93 +298,24 @@ def speculative_generate(
     Drafts come from the engine's MTP drafter (a batched propose after the prefill, then after
     every verdict), or from `draft_source(prompt_index, committed_tokens, n)` when given (e.g. an
     oracle for tests). Each step every unfinished sequence verifies K = its drafts + 1 rows
-    [last, drafts...], at most min(schedule at the active width, slot capacity) drafts, cut at the
-    confidence stop. `fused` runs each step as `Engine.speculative_step` (the composed step under
-    replay rollback, which the fused program does not implement); otherwise verify, host
-    acceptance, `Engine.accept` and the propose run one by one. `progress` as `OnStep` says.
+    [last, drafts...], at most `draft_limit` drafts (the schedule at the active width, capped by
+    its slot's capacity), cut at the confidence stop. `fused` runs each step as
+    `Engine.speculative_step` (the composed step under replay rollback, which the fused program
+    does not implement); otherwise verify, host acceptance, `Engine.accept` and the propose run
+    one by one. `progress` as `OnStep` says.
     """
-    fused = fused and not engine.replay
-    propose = draft_source is None and engine.drafter
+    scheduler = Scheduler(engine, schedule, draft_source, fused and not engine.replay)
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
-        last = [int(engine.prefill(s, p).argmax()) for s, p in zip(seqs, prompts)]
-        out = [[t] for t in last]
+        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens))
         if progress is not None:
-            progress(_emitted(out, max_new_tokens))
-        drafts: list[list[int]] = [[] for _ in prompts]
-        confs: list[list[float]] = [[] for _ in prompts]
-        steps: list[StepRecord] = []
-        active = list(range(len(prompts)))
-
-        def caps(idx: list[int]) -> list[int]:
-            n_d = schedule.drafts_at(len(idx))
-            return [min(n_d, engine.counts.slot_draft_capacity(seqs[i].slot)) for i in idx]
-
-        def refill(idx: list[int], proposed: tuple[np.ndarray, np.ndarray] | None) -> None:
-            """The next drafts of `idx` (`proposed`: the fused step's drafts and confidences of
-            the same sequences; None: ask the drafter or the draft source)."""
-            keep = caps(idx)
-            if draft_source is not None:
-                for i, k in zip(idx, keep):
-                    drafts[i] = [int(t) for t in draft_source(i, seqs[i].tokens + [last[i]], k)][:k]
-                    confs[i] = [0.0] * len(drafts[i])
-                return
-            if proposed is None:
-                if max(keep) == 0:
-                    for i in idx:
-                        drafts[i], confs[i] = [], []
-                    return
-                d, c, _ = engine.propose_batched([seqs[i] for i in idx], [last[i] for i in idx], max(keep))
-                for i in idx:
-                    engine.trim_proposer(seqs[i])
-                proposed = (d, c)
-            for row, (i, k) in enumerate(zip(idx, keep)):
-                drafts[i], confs[i] = schedule.cut(proposed[0][row], proposed[1][row], k)
-
-        refill(active, None)
-        while active:
-            batch = [seqs[i] for i in active]
-            ks = [len(drafts[i]) + 1 for i in active]
-            flat = [t for i in active for t in (last[i], *drafts[i])]
-            proposed = None
-            if fused:
-                remaining = [max_new_tokens - len(out[i]) for i in active]
-                nd = _proposal(schedule, engine, batch, remaining, ks) if propose else 0
-                res = engine.speculative_step(batch, flat, ks, nd)
-                na, emitted = [int(a) for a in res.accepted], res.emitted
-                proposed = (res.drafts, res.confidences) if nd else None
-            else:
-                _, argmax = engine.verify_batched(batch, flat, ks)
-                off = np.concatenate([[0], np.cumsum(ks)])
-                rows = [flat[off[j] : off[j + 1]] for j in range(len(active))]
-                na = [accepted_drafts(r, argmax[off[j] : off[j + 1]]) for j, r in enumerate(rows)]
-                engine.accept(batch, na)
-                emitted = [[int(t) for t in argmax[off[j] : off[j] + na[j] + 1]] for j in range(len(active))]
-            steps.append(StepRecord(list(active), ks, na, [drafts[i] for i in active], [confs[i] for i in active]))
-            for j, i in enumerate(active):
-                out[i] += emitted[j]
-                last[i] = emitted[j][-1]
-            still = [j for j, i in enumerate(active) if len(out[i]) < max_new_tokens]
-            active = [active[j] for j in still]
-            if active:
-                refill(active, None if proposed is None else (proposed[0][still], proposed[1][still]))
+            progress(state.emitted())
+        scheduler.next_drafts(state, None)
+        while state.active:
+            scheduler.advance(state)
             if progress is not None:
-                progress(_emitted(out, max_new_tokens))
-        return GenerationResult([o[:max_new_tokens] for o in out], steps)
+                progress(state.emitted())
+        return state.result()
     finally:
         for s in reversed(seqs):
             engine.free_sequence(s)
-
-
-def _proposal(
-    schedule: DraftSchedule, engine: Engine, batch: Sequence[SequenceState], remaining: Sequence[int], ks: Sequence[int]
-) -> int:
-    """The drafts a fused step proposes: the most the next step may ask for. A sequence with
-    `remaining` tokens to emit stays active unless it emits them all; it emits 1..K, so the next
-    width lies between those that stay whatever they accept and those that may stay."""
-    sure = sum(r > k for r, k in zip(remaining, ks))
-    maybe = [s for s, r in zip(batch, remaining) if r > 1]
-    if not maybe:
-        return 0
-    cap = max(engine.counts.slot_draft_capacity(s.slot) for s in maybe)
-    return min(schedule.most_drafts(max(sure, 1), len(maybe)), cap)
