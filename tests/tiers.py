@@ -206,17 +206,21 @@ def stale(rules: Iterable[Rule], modules: dict[str, ModuleType]) -> list[str]:
     return lines
 
 
-def mark(config: pytest.Config, items: Sequence[pytest.Item]) -> None:
+def registered(config: pytest.Config) -> set[str]:
+    """The marker names registered (pytest's, its plugins' and the ini file's `markers`)."""
+    return {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
+
+
+def mark(config: pytest.Config, items: Sequence[pytest.Item], rules: Sequence[Rule] = RULES) -> None:
     """Add each rule's markers to the collected `items`; a stale rule or a marker name not
-    registered in the ini file's `markers` is a usage error."""
-    registered = {line.split(":")[0].strip() for line in config.getini("markers")}
-    unknown = sorted({m for rule in RULES for m in rule.marks} - registered)
+    registered in the ini file's `markers` is a usage error, raised before any item changes."""
+    unknown = sorted({m for rule in rules for m in rule.marks} - registered(config))
     modules = {item.path.name: item.module for item in items if isinstance(item, pytest.Function)}
     errors = [f"tests/tiers.py: marker {m!r} is not registered in pyproject.toml" for m in unknown]
-    errors += stale(RULES, modules)
+    errors += stale(rules, modules)
     if errors:
         raise pytest.UsageError("\n".join(errors))
     for item in items:
         if isinstance(item, pytest.Function):
-            for name in marks_for(RULES, item.path.name, item.originalname, item.fixturenames):
+            for name in marks_for(rules, item.path.name, item.originalname, item.fixturenames):
                 item.add_marker(name)
