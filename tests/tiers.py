@@ -11,7 +11,7 @@ revised in one place from `--durations` output, and test files stay free of it.
 Invariants:
 - a test is fast unless a rule marks it `slow`; a new test module joins the fast tier until a
   rule says otherwise (CI's `--durations=20` names the tests that cost the most);
-- every rule names a test module that exists and only test functions that module defines, so a
+- every rule names a test module that exists and only test functions and fixtures it defines, so a
   renamed or moved test fails collection instead of drifting silently into the fast tier;
 - a marker name not registered in pyproject.toml fails collection (`--strict-markers`)."""
 
