@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # makes pyenv's python3 a 3.12 here; the first of python3.13, python3.12, python3 that is >= 3.12 builds it.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: demo test lint mutants bench fixtures notebooks train-small clean
+.PHONY: demo test test-fast lint mutants bench fixtures notebooks train-small clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (install one or set PYTHON=...)"; exit 2; }
@@ -26,8 +26,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# The full suite after the style gate. PYTEST_ARGS adds pytest flags (CI: --durations=20).
 test: lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The inner loop: every layer's cheap tests, without the ones tests/tiers.py marks `slow`.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
 
 # The diff's mutation score alone: every shared-code state bug planted one at a time must FAIL the
 # oracle variant where it first shows (part of `make test` too).

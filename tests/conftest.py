@@ -9,6 +9,7 @@ import gc
 import os
 
 import pytest
+import tiers
 
 from metrale_jax import runtime_env
 
@@ -26,6 +27,11 @@ def settings(**flags):
     flags.setdefault("kv_cache_dtype", "f32")
     raw = {k: (str(v) if k == "max_batch_size" else v) for k, v in flags.items()}
     return resolve_settings(raw, None, auto_slots=int(flags.get("max_batch_size", 8)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers' markers (`slow`, `subprocess`, `sharded`) from the table in tests/tiers.py."""
+    tiers.mark(config, items)
 
 
 @pytest.fixture(scope="module", autouse=True)
