@@ -100,7 +100,7 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "test_layout.py",
+        "test_layer_groups.py",
         SLOW,
         only=("test_stacked_params_have_a_group_axis", "test_engine_layouts_match_the_cached_forward"),
     ),
