@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import get_args
 
 import jax
@@ -60,6 +60,7 @@ from metrale_jax.engine.inputs import (
     VerdictBatch,
 )
 from metrale_jax.engine.prefix_cache import Hit, PrefixCache
+from metrale_jax.engine.program_list import Program, Sections, serve_programs, warm_up
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import BlockAllocator, EngineError, SequenceState, SlotAllocator
 from metrale_jax.engine.settings import EngineSettings, unsupported
@@ -737,3 +738,15 @@ class Engine:
         dev = jax.tree_util.tree_map(jnp.asarray, record.device)
         self.pool = self.programs.run("write_state", tr.write_sequence_state, None, self.pool, dev, self._address(seq))
         seq.seq_len, seq.tokens, seq.drafter_len = record.seq_len, list(record.tokens), record.drafter_len
+
+    # ------------------------------------------------------------ warm-up
+
+    def warm_up(
+        self, progress: Sections | None = None, keep: Callable[[Program], bool] | None = None, *, logits: bool = False
+    ) -> float:
+        """Compile ahead of time every program this serve runs on the current forward and mesh
+        (`program_list.serve_programs`, with `logits` the fused step's logits twins; `keep`: only
+        those it keeps), so that no step compiles. Returns the wall seconds."""
+        programs = serve_programs(self.cfg, self.counts, self.settings, self.ops, self.pool, self.params, logits=logits)
+        chosen = [p for p in programs if (keep is None or keep(p)) and not (self.mesh is not None and p.device_inputs)]
+        return warm_up(self.programs, chosen, progress)
