@@ -749,4 +749,4 @@ class Engine:
         those it keeps), so that no step compiles. Returns the wall seconds."""
         programs = serve_programs(self.cfg, self.counts, self.settings, self.ops, self.pool, self.params, logits=logits)
         chosen = [p for p in programs if (keep is None or keep(p)) and not (self.mesh is not None and p.device_inputs)]
-        return warm_up(self.programs, chosen, progress)
+        return warm_up(self.programs, chosen, progress, f"warm-up ({self.forward})")

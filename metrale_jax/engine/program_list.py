@@ -267,22 +267,32 @@ class Sections(Protocol):
     def advance(self, units: int = 1) -> None: ...
 
 
-def warm_up(cache: ProgramCache, programs: Sequence[Program], progress: Sections | None = None) -> float:
-    """Compile each of `programs` into `cache` ahead of time (`ProgramCache.compile`: keyed as its
-    `run` keys, so the first real call is a hit), side by side on the allowed cores (XLA compiles
-    without the GIL), the longest-running kinds first; `progress` gets one section ("warm-up") and
-    a unit per program. Returns the wall seconds."""
+def warm_up(
+    cache: ProgramCache, programs: Sequence[Program], progress: Sections | None = None, label: str = "warm-up"
+) -> float:
+    """Compile each of `programs` into `cache` ahead of time (`ProgramCache.lower`: keyed as its
+    `run` keys, so the first real call is a hit): traced and lowered one by one here (Python holds
+    the GIL), each compiled on a pool of the allowed cores while the next lowers (XLA compiles
+    without it); `progress` gets one section (`label`) and a unit per program. Returns the wall
+    seconds."""
     t0 = time.perf_counter()
     if progress is not None:
-        progress.section("warm-up", len(programs))
+        progress.section(label, len(programs))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    def one(p: Program) -> None:
-        cache.compile(p.transition, p.fn, p.static, *p.args)
+    def advance(*_: Any) -> None:
         if progress is not None:
             progress.advance()
 
-    model_first = sorted(programs, key=lambda p: p.static is None)
-    with ThreadPoolExecutor(max(1, min(cores, len(programs)))) as pool:
-        list(pool.map(one, model_first))
+    with ThreadPoolExecutor(max(1, cores)) as pool:
+        futures = []
+        for p in programs:
+            compile = cache.lower(p.transition, p.fn, p.static, *p.args)
+            if compile is None:
+                advance()
+                continue
+            futures.append(pool.submit(compile))
+            futures[-1].add_done_callback(advance)
+        for f in futures:
+            f.result()
     return time.perf_counter() - t0
