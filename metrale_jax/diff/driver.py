@@ -1,7 +1,7 @@
 """`run_diff`: one diff request on one engine, against a list of variants, to a report.
 
 Owns: the warm-up (`diff_programs`: the part of the engine's program list a request runs, compiled
-for the reference's and each variant's forward before the first step), the dispatch of a request
+for the reference forward before the first step), the dispatch of a request
 to its mode driver, the report's common fields (mode, steps, provenance, the engine's settings,
 the variants with their disclosure, the warm-up's seconds and the programs compiled after it)
 and the verdict.
@@ -54,10 +54,12 @@ def provenance(engine) -> dict:
 
 def diff_programs(engine, request: DiffRequest) -> Callable[[Program], bool]:
     """Which of the engine's programs (`program_list.serve_programs`, with the logits twins) the
-    request may run: every prefill bucket and, at the widths of 1 to its widest batch, every
+    request runs: every prefill bucket and, at the widths of its batches (`bucket_width`), every
     program but the proposes and fused steps it never asks for (a propose of the settings'
-    drafts with `--mtp`; the fused step only logits-returning, proposing those drafts or none)."""
-    top = bucket_width(max(request.batch or request.verify_batch or (1,)))
+    drafts with `--mtp`; the fused step only logits-returning, proposing those drafts or none).
+    NOTE: the batches' widths only: a run over fewer sequences (the oracle's) compiles its
+    program when it first runs, which the report counts."""
+    widths = {bucket_width(n) for n in request.batch or request.verify_batch or (1,)}
     nd = engine.settings.num_drafts if request.mtp else 0
 
     def keep(p: Program) -> bool:
@@ -66,25 +68,17 @@ def diff_programs(engine, request: DiffRequest) -> Callable[[Program], bool]:
         drafts, logits = getattr(p.static, "num_drafts", nd), getattr(p.static, "logits", True)
         if p.name in ("propose", "speculative") and not (drafts == nd and logits):
             return False
-        return p.width <= top
+        return p.width in widths or p.name in ("read_state", "write_state")
 
     return keep
 
 
-def warm_up(engine, request: DiffRequest, variants: Sequence[Variant], progress: Progress) -> float:
-    """Compile `diff_programs` for the reference forward and every other forward of `variants`
-    on the engine's own mesh (a mesh variant's programs compile as it replays); returns the wall
-    seconds. Leaves the reference forward selected."""
-    t0 = time.perf_counter()
-    keep = diff_programs(engine, request)
-    forwards = dict.fromkeys([REFERENCE, *(v.forward for v in variants if v.mesh is None)])
-    try:
-        for forward in forwards:
-            engine.set_forward(forward)
-            engine.warm_up(progress, keep, logits=forward == REFERENCE)
-    finally:
-        engine.set_forward(REFERENCE)
-    return time.perf_counter() - t0
+def warm_up(engine, request: DiffRequest, progress: Progress) -> float:
+    """Compile `diff_programs` for the reference forward; returns the wall seconds. The variants'
+    forwards compile as they replay (a kernel forward's programs cost most under the Pallas
+    interpreter, and a replay runs fewer of them than the list holds)."""
+    engine.set_forward(REFERENCE)
+    return engine.warm_up(progress, diff_programs(engine, request), logits=True)
 
 
 def run_diff(
@@ -108,7 +102,7 @@ def run_diff(
             + "".join(f"; {u['name']} is unavailable: {u['reason']}" for u in unavailable)
         )
     r, t0 = request, time.perf_counter()
-    warm_seconds = warm_up(engine, request, variants, progress)
+    warm_seconds = warm_up(engine, request, progress)
     warmed = engine.programs.compilations
     try:
         if r.mode == "default":
