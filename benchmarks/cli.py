@@ -136,7 +136,9 @@ def _command(opts: dict[str, Any], sections: list[str] | None) -> dict:
         if opts["threads"] == 1 and not real_gpu:
             runtime_env.pin_to_one_core()
         if not real_gpu:
-            runtime_env.prepare(threads=opts["threads"], pools=runtime_env.BLAS_POOLS, cpu_only=True)
+            runtime_env.prepare(
+                threads=opts["threads"], pools=runtime_env.BLAS_POOLS, cpu_only=True, compilation_cache=False
+            )
     import jax
 
     if real_gpu and jax.default_backend() != "gpu":

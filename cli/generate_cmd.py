@@ -16,8 +16,12 @@ Invariants:
 - A request the engine would quietly reduce says so: drafts over what the K ladder gives one
   active sequence are clamped, the engine is built for the clamped count, and a `note:` line
   states it.
-- Steady-state tokens/s is `metrale_jax.engine.throughput`'s (the steps after the prefill that
-  compiled no program); the compile seconds are the engine's `ProgramCache.compile_seconds`.
+- The engine compiles the programs this generation runs before its first step (`Engine.warm_up`
+  with `program_list.generation_programs`, a progress section of its own): the warm-up seconds
+  are reported apart, and so is the count of programs compiled after it (0 unless a step ran a
+  program the list missed). Steady-state tokens/s is `metrale_jax.engine.throughput`'s (the steps
+  after the prefill that compiled no program); the compile seconds are the engine's
+  `ProgramCache.compile_seconds` (summed over programs compiled side by side).
 Defaults differing from a serve (each overridable by its flag): one slot (`--max-batch-size 1`),
 `--max-seq-len` just covering what the request reaches, `--kv-cache-dtype f32`.
 """
@@ -33,6 +37,7 @@ import click
 from metrale_jax.diff.progress import Bar
 from metrale_jax.engine.capacity import ladder_drafts
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.program_list import generation_programs
 from metrale_jax.engine.settings import format_k_ladder, resolve_settings
 from metrale_jax.engine.sharding import make_mesh
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
@@ -140,11 +145,14 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
     )
     engine = Engine(cfg, params, settings, mesh=mesh)
     bar = Bar()
-    bar.section("generate", max_new_tokens)
     t0 = time.perf_counter()
-    clock = StepClock(engine.programs, bar.advance)
     run = None
     try:
+        path = step if settings.speculative else "greedy"
+        warm_seconds = engine.warm_up(bar, generation_programs(engine.counts, [len(ids)], path))
+        warmed = engine.programs.compilations
+        bar.section("generate", max_new_tokens)
+        clock = StepClock(engine.programs, bar.advance)
         if settings.speculative:
             schedule = DraftSchedule(settings.num_drafts, settings.k_ladder, confidence_stop)
             res = speculative_generate(engine, [ids], max_new_tokens, schedule, fused=step == "fused", progress=clock)
@@ -169,6 +177,7 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
         click.echo(line)
     click.echo(
         f"time: {seconds:.2f} s wall, {engine.programs.compile_seconds:.2f} s of it compiling "
-        f"{engine.programs.compilations} programs"
+        f"{engine.programs.compilations} programs ({warm_seconds:.2f} s warm-up; "
+        f"{engine.programs.compilations - warmed} programs compiled after it)"
     )
     click.echo(clock.line())

@@ -1,15 +1,24 @@
 """The process's thread and platform environment: the one place that sets it.
 
-Owns: `prepare` (the BLAS/OpenMP pool sizes and the JAX platform, as environment defaults) and
-`pin_to_one_core` (this process on its first allowed CPU, the last one published for a sibling
-process). Every entry point calls these before it imports jax: the `metrale-jax` command
-(`cli/main.py`), `python -m benchmarks` (`benchmarks/cli.py`) and the test suite.
+Owns: `prepare` (the BLAS/OpenMP pool sizes, the JAX platform and JAX's persistent compilation
+cache, as environment defaults), `compilation_cache_dir` and `pin_to_one_core` (this process on
+its first allowed CPU, the last one published for a sibling process). Every entry point calls
+these before it imports jax: the `metrale-jax` command (`cli/main.py`), `python -m benchmarks`
+(`benchmarks/cli.py`) and the test suite.
 
 Invariants:
 - Only defaults are set (`os.environ.setdefault`): a variable the user exported wins.
 - Imports nothing but the standard library, so calling it loads no jax.
 - Effective only before jax starts its backend: XLA sizes its thread pool, and OpenBLAS its
   pool, once, when they start.
+
+The persistent compilation cache: XLA's compiled programs are kept on disk and loaded by a later
+process instead of compiled again (JAX's own cache: `JAX_COMPILATION_CACHE_DIR`; its key covers
+the program, the compile options, the backend and the jax/jaxlib versions). Every program is kept,
+however short its compile or small its executable (the thresholds at 0), so CPU programs are
+too. `METRALE_JAX_COMPILATION_CACHE` names the directory (default
+`$XDG_CACHE_HOME/metrale-jax/jax`, else `~/.cache/metrale-jax/jax`), or switches it off
+(`off`, `0`, `no`, `false`); the test suite switches it off (`tests/conftest.py`).
 
 NOTE: the xla forward's GDN chunk calls LAPACK's triangular solve, which runs on OpenBLAS's
 thread pool; on a loaded small machine a pool of one thread per core stalls when the load
@@ -21,16 +30,46 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 #: The BLAS / OpenMP pools jaxlib's LAPACK calls and torch use.
 BLAS_POOLS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: The CPU `pin_to_one_core` leaves to a sibling process (the benchmark's HF driver reads it).
 SIBLING_CPU = "METRALE_BENCH_HF_CPU"
+#: The persistent compilation cache's directory, or one of `CACHE_OFF` to switch it off.
+COMPILATION_CACHE_ENV = "METRALE_JAX_COMPILATION_CACHE"
+CACHE_OFF = ("off", "0", "no", "false")
 
 
-def prepare(*, threads: int = 1, pools: Sequence[str] = ("OPENBLAS_NUM_THREADS",), cpu_only: bool = False) -> None:
+def compilation_cache_dir() -> Path | None:
+    """The persistent compilation cache's directory: `$METRALE_JAX_COMPILATION_CACHE`, else
+    `$XDG_CACHE_HOME/metrale-jax/jax`, else `~/.cache/metrale-jax/jax`; None when the variable
+    switches it off (one of `CACHE_OFF`, any case)."""
+    named = os.environ.get(COMPILATION_CACHE_ENV, "")
+    if named.strip().lower() in CACHE_OFF:
+        return None
+    if named:
+        return Path(named)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "metrale-jax" / "jax"
+
+
+def prepare(
+    *,
+    threads: int = 1,
+    pools: Sequence[str] = ("OPENBLAS_NUM_THREADS",),
+    cpu_only: bool = False,
+    compilation_cache: bool = True,
+) -> None:
     """Default each of `pools` to `threads` threads (`threads` 0: leave every pool at its
-    library default) and, with `cpu_only`, JAX to its CPU platform."""
+    library default), with `cpu_only` JAX to its CPU platform, and with `compilation_cache` JAX's
+    persistent compilation cache to `compilation_cache_dir()` (unless switched off there) with
+    every program kept."""
+    cache = compilation_cache_dir() if compilation_cache else None
+    if cache is not None:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     if threads >= 1:
         for var in pools:
             os.environ.setdefault(var, str(threads))

@@ -13,6 +13,9 @@ import tiers
 
 from metrale_jax import runtime_env
 
+# no persistent compilation cache: the suite writes nothing under the user's home (a test that
+# exercises the cache names a temporary directory of its own)
+os.environ[runtime_env.COMPILATION_CACHE_ENV] = "off"
 runtime_env.prepare(cpu_only=True)  # before anything imports jax
 
 from metrale_jax.engine.settings import resolve_settings  # noqa: E402

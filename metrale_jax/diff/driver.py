@@ -1,7 +1,10 @@
 """`run_diff`: one diff request on one engine, against a list of variants, to a report.
 
-Owns: the dispatch of a request to its mode driver, the report's common fields (mode, steps,
-provenance, the engine's settings, the variants with their disclosure) and the verdict.
+Owns: the warm-up (`diff_programs`: the part of the engine's program list a request runs, compiled
+for the reference forward before the first step), the dispatch of a request
+to its mode driver, the report's common fields (mode, steps, provenance, the engine's settings,
+the variants with their disclosure, the warm-up's seconds and the programs compiled after it)
+and the verdict.
 
 The engine is a parameter (built by the command, or by a test that injects a subclass) and so
 are the variants (the command passes `default_variants()`; tests add planted-bug forwards).
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jaxlib
@@ -27,6 +30,8 @@ from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.request import DiffRequest, DiffRequestError
 from metrale_jax.diff.variants import REFERENCE, Variant, applicable, disclosed
 from metrale_jax.diff.verify import diff_verify, verify_plan
+from metrale_jax.engine.capacity import bucket_width
+from metrale_jax.engine.program_list import Program
 
 
 def provenance(engine) -> dict:
@@ -45,6 +50,35 @@ def provenance(engine) -> dict:
             for p in engine.settings.provenance
         ],
     }
+
+
+def diff_programs(engine, request: DiffRequest) -> Callable[[Program], bool]:
+    """Which of the engine's programs (`program_list.serve_programs`, with the logits twins) the
+    request runs: every prefill bucket and, at the widths of its batches (`bucket_width`), every
+    program but the proposes and fused steps it never asks for (a propose of the settings'
+    drafts with `--mtp`; the fused step only logits-returning, proposing those drafts or none).
+    NOTE: the batches' widths only: a run over fewer sequences (the oracle's) compiles its
+    program when it first runs, which the report counts."""
+    widths = {bucket_width(n) for n in request.batch or request.verify_batch or (1,)}
+    nd = engine.settings.num_drafts if request.mtp else 0
+
+    def keep(p: Program) -> bool:
+        if p.name == "prefill":
+            return True
+        drafts, logits = getattr(p.static, "num_drafts", nd), getattr(p.static, "logits", True)
+        if p.name in ("propose", "speculative") and not (drafts == nd and logits):
+            return False
+        return p.width in widths or p.name in ("read_state", "write_state")
+
+    return keep
+
+
+def warm_up(engine, request: DiffRequest, progress: Progress) -> float:
+    """Compile `diff_programs` for the reference forward; returns the wall seconds. The variants'
+    forwards compile as they replay (a kernel forward's programs cost most under the Pallas
+    interpreter, and a replay runs fewer of them than the list holds)."""
+    engine.set_forward(REFERENCE)
+    return engine.warm_up(progress, diff_programs(engine, request), logits=True)
 
 
 def run_diff(
@@ -68,7 +102,8 @@ def run_diff(
             + "".join(f"; {u['name']} is unavailable: {u['reason']}" for u in unavailable)
         )
     r, t0 = request, time.perf_counter()
-    engine.set_forward(REFERENCE)
+    warm_seconds = warm_up(engine, request, progress)
+    warmed = engine.programs.compilations
     try:
         if r.mode == "default":
             fields, reasons = diff_prompts(engine, variants, n_prompts=r.prompts, steps=r.steps, progress=progress)
@@ -109,4 +144,6 @@ def run_diff(
         "verdict": "FAIL" if reasons else "PASS",
         "reasons": reasons,
         "wall_s": round(time.perf_counter() - t0, 3),
+        "warmup_s": round(warm_seconds, 3),
+        "compiled_after_warmup": engine.programs.compilations - warmed,
     }

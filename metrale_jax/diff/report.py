@@ -197,6 +197,13 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
     return out
 
 
+def _warm_up(report: dict) -> str:
+    """The verdict line's warm-up clause: its seconds and the programs compiled after it."""
+    if "warmup_s" not in report:
+        return ""
+    return f", {report['warmup_s']:.1f} s of it warm-up, then {report['compiled_after_warmup']} programs compiled"
+
+
 def render_summary(report: dict) -> str:
     """The human summary of `report` (see the module docstring)."""
     variants = ", ".join(v["name"] + ("" if v.get("available", True) else " (unavailable)") for v in report["variants"])
@@ -207,6 +214,6 @@ def render_summary(report: dict) -> str:
             lines.append(f"  drafter: the first two proposes of n={w['rows']} differed; one run was discarded")
     for title, comparisons, control, extra in _sections(report):
         lines += ["", title] + _table(comparisons) + _control(control) + extra
-    lines += ["", f"verdict: {report['verdict']} ({report['wall_s']:.1f} s)"]
+    lines += ["", f"verdict: {report['verdict']} ({report['wall_s']:.1f} s{_warm_up(report)})"]
     lines += [f"  - {r}" for r in report["reasons"]]
     return "\n".join(lines) + "\n"

@@ -191,6 +191,9 @@ class PoolCounts:
       the next propose pairs it with the sampled token; padding rows use the dummy's row).
     - `block_size`, `kv_tokens` (tokens per sequence the KV pool is sized for), `kv_blocks`
       (main model), `max_blocks_per_seq` (block-table width, sized for `max_seq_len`).
+    - `draft_table_width`: entries of a sequence's drafter block table (MBd,
+      `draft_table_width(max_seq_len)`; the programs' drafter tables have this width with or
+      without a drafter).
     - `draft_kv_blocks`: the MTP head's paged KV in `DRAFT_KV_BLOCK_SIZE`-token blocks: with
       `p = kv_tokens // 16 + 1` blocks per sequence, `min(p × mtp_max_seqs, p × real_slots) + 1`
       (at most `mtp_max_seqs` sequences draft; +1 null block, as in the main pool); 0 without
@@ -217,6 +220,7 @@ class PoolCounts:
     kv_blocks: int
     max_blocks_per_seq: int
     draft_block_size: int
+    draft_table_width: int
     draft_kv_blocks: int
     prefill_chunk: int
     max_batch_tokens: int
@@ -331,6 +335,7 @@ def pool_counts(settings: PoolSettings, config: ModelCounts, *, tokens_per_seq: 
         kv_blocks=kv_blocks,
         max_blocks_per_seq=s.max_seq_len // s.block_size + 1,
         draft_block_size=DRAFT_KV_BLOCK_SIZE,
+        draft_table_width=draft_table_width(s.max_seq_len),
         draft_kv_blocks=draft_kv_blocks,
         prefill_chunk=chunk,
         max_batch_tokens=max(chunk + real, k + 1 if spec else 1, real),

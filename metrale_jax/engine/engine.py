@@ -35,7 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import get_args
 
 import jax
@@ -48,10 +48,11 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine import batching
 from metrale_jax.engine import transitions as tr
 from metrale_jax.engine.blocks import BlockManager
-from metrale_jax.engine.capacity import draft_table_width, pool_counts
+from metrale_jax.engine.capacity import pool_counts
 from metrale_jax.engine.inputs import PrefillStatic, ProposeStatic, SpeculativeStatic, StepStatic, SwapRecord
 from metrale_jax.engine.placement import place_params, reshard
 from metrale_jax.engine.prefix_cache import Hit
+from metrale_jax.engine.program_list import Program, Sections, serve_programs, warm_up
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sequences import EngineError, SequenceState
 from metrale_jax.engine.settings import EngineSettings, unsupported
@@ -122,7 +123,7 @@ class Engine(VerdictProtocol):
         self.forward = forward
         self.ops = make_ops(forward)
         self.replay = settings.ssm_rollback_mode == "replay"
-        self.draft_width = draft_table_width(settings.max_seq_len)  # MBd, the drafter tables' width
+        self.draft_width = self.counts.draft_table_width  # MBd, the drafter tables' width
 
     # ------------------------------------------------------------ forward selection and placement
 
@@ -396,3 +397,15 @@ class Engine(VerdictProtocol):
         at = batching.sequence_address(self.counts, self.draft_width, seq)
         self.pool = self.programs.run("write_state", tr.write_sequence_state, None, self.pool, dev, at)
         seq.seq_len, seq.tokens, seq.drafter_len = record.seq_len, list(record.tokens), record.drafter_len
+
+    # ------------------------------------------------------------ warm-up
+
+    def warm_up(
+        self, progress: Sections | None = None, keep: Callable[[Program], bool] | None = None, *, logits: bool = False
+    ) -> float:
+        """Compile ahead of time every program this serve runs on the current forward and mesh
+        (`program_list.serve_programs`, with `logits` the fused step's logits twins; `keep`: only
+        those it keeps), so that no step compiles. Returns the wall seconds."""
+        programs = serve_programs(self.cfg, self.counts, self.settings, self.ops, self.pool, self.params, logits=logits)
+        chosen = [p for p in programs if (keep is None or keep(p)) and not (self.mesh is not None and p.device_inputs)]
+        return warm_up(self.programs, chosen, progress, f"warm-up ({self.forward})")

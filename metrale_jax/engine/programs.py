@@ -1,6 +1,7 @@
 """Compiled step programs: each transition compiled once per (static config, shape bucket).
 
-Owns: `ProgramCache` — ahead-of-time compilation of the engine's transitions with the pool
+Owns: `ProgramCache` — ahead-of-time compilation of the engine's transitions (on first use, or
+before it: `ProgramCache.lower`) with the pool
 donated and the host inputs packed into one int32 vector per call (`HostPacking`,
 `PackedProgram`), the count of compilations (the zero-recompile tests read it) and the seconds
 they took, and the disclosure of what a forward compiled: a digest of each program's optimized
@@ -27,6 +28,7 @@ import hashlib
 import inspect
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -369,10 +371,22 @@ def compile_transition(
     Under a mesh (the pool's leaves carry NamedShardings) it is traced under it (`jax.set_mesh`:
     the model reads the tensor groups and the expert devices from it) and keeps the pool's
     shardings (`_jitted`). `options`: XLA compiler options (None: the defaults the engine runs with)."""
+    return lower_transition(fn, static, args)(options)
+
+
+def lower_transition(fn: Callable, static: ModelStatic | None, args: tuple) -> Callable[..., PackedProgram]:
+    """`compile_transition`'s first half: the transition traced and lowered here (Python, under
+    the GIL), returned as its second half, `compile(options=None) -> PackedProgram`, which XLA
+    runs without the GIL (a caller may run it on another thread)."""
     jitted, mesh, packing = _jitted(fn, static, args)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        compiled = jitted.lower(*packing.lowering_args(args)).compile(compiler_options=options)
-    return PackedProgram(compiled, packing)
+        lowered = jitted.lower(*packing.lowering_args(args))
+
+    def compile(options: dict[str, Any] | None = None) -> PackedProgram:
+        with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+            return PackedProgram(lowered.compile(compiler_options=options), packing)
+
+    return compile
 
 
 def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, platform: str) -> Any:
@@ -389,15 +403,25 @@ def export_transition(fn: Callable, static: ModelStatic | None, args: tuple, pla
 class ProgramCache:
     """Compile-once cache of transitions. `run(name, fn, static, *args)` calls
     `fn(*args, static=static)` (or `fn(*args)` without a static part) with args[0] (the pool)
-    donated. Programs are keyed by (name, static, each argument's signature).
+    donated, compiling it first unless cached; `lower(...)` (the same arguments) prepares it ahead
+    of time without running it (`Engine.warm_up`), so the first `run` is a hit. Programs are
+    keyed by (name, static, each argument's signature): shapes and dtypes, so an abstract
+    argument (`jax.ShapeDtypeStruct`) keys as the array it stands for.
 
     Arguments are pytrees of immutable arrays, replaced and never edited in place: an argument
-    that is the object last passed at its position keeps that object's signature."""
+    that is the object last passed at its position keeps that object's signature.
+
+    `info` (what `disclosure` reads) holds the programs that ran, in the order they first ran: a
+    program compiled ahead of time and never run is not disclosed. The compilations `lower`
+    returns may run on several threads at once (XLA compiles without the GIL); `run` and `lower`
+    on one."""
 
     def __init__(self) -> None:
-        self._programs: dict[tuple, Any] = {}
+        self._programs: dict[tuple, PackedProgram] = {}
+        self._compiled: dict[tuple, ProgramInfo] = {}  # what each program compiled to, run or not
         self._signature_ids: dict[tuple, int] = {}  # each argument signature seen, interned
         self._last: dict[int, tuple[Any, int]] = {}  # per position: the last argument and its signature id
+        self._lock = threading.Lock()
         self.compilations = 0
         self.compile_seconds = 0.0  # spent compiling, over every compilation
         self.calls = 0  # programs run (each `run`)
@@ -417,23 +441,48 @@ class ProgramCache:
             ids.append(last[1])
         return tuple(ids)
 
+    def _build(self, key: tuple, fn: Callable, static: ModelStatic | None, args: tuple) -> PackedProgram:
+        """Compile the program of `key` and count it."""
+        return self._finish(key, args, lower_transition(fn, static, args), time.perf_counter())
+
+    def _finish(self, key: tuple, args: tuple, compile: Callable[[], PackedProgram], t0: float) -> PackedProgram:
+        """Compile a lowered program of `key` (`lower_transition`, lowered from `t0` on), describe
+        it (`ProgramInfo`) and count it."""
+        prog = compile()
+        seconds = time.perf_counter() - t0
+        text = prog.as_text()
+        info = ProgramInfo(
+            key[0],
+            hashlib.sha256(computation_text(text).encode()).hexdigest()[:16],
+            count_launches(text),
+            count_pool_copies(text, args[0]),
+            count_param_copies(text),
+        )
+        with self._lock:
+            self.compile_seconds += seconds
+            self.compilations += 1
+            self._programs[key], self._compiled[key] = prog, info
+        return prog
+
+    def lower(self, name: str, fn: Callable, static: ModelStatic | None, *args) -> Callable[[], PackedProgram] | None:
+        """Ahead of time, without running it: `run(name, fn, static, *args)`'s program (`args`
+        arrays or shape structs) traced and lowered here, returned as its compilation, to call on
+        any thread, after which a `run` with these arguments is a hit; None when it is cached."""
+        with self._lock:
+            key = (name, static, self._argument_ids(args))
+            if key in self._programs:
+                return None
+        t0 = time.perf_counter()
+        compile = lower_transition(fn, static, args)
+        return functools.partial(self._finish, key, args, compile, t0)
+
     def run(self, name: str, fn: Callable, static: ModelStatic | None, *args):
         key = (name, static, self._argument_ids(args))
         prog = self._programs.get(key)
         if prog is None:
-            t0 = time.perf_counter()
-            prog = compile_transition(fn, static, args)
-            self.compile_seconds += time.perf_counter() - t0
-            self.compilations += 1
-            text = prog.as_text()
-            self.info[key] = ProgramInfo(
-                name,
-                hashlib.sha256(computation_text(text).encode()).hexdigest()[:16],
-                count_launches(text),
-                count_pool_copies(text, args[0]),
-                count_param_copies(text),
-            )
-            self._programs[key] = prog
+            prog = self._build(key, fn, static, args)
+        if key not in self.info:
+            self.info[key] = self._compiled[key]
         self.calls += 1
         return prog(*args)
 

@@ -1,9 +1,9 @@
 """Activation memory for the planner: XLA's own memory analysis of the engine's compiled step programs.
 
-Owns: the serve's step programs as abstract calls (`step_programs`: the transitions the `Engine`
-runs, on the abstract version of the inputs the Engine builds, from the same `engine.inputs`
-constructors — nothing is allocated), their compilation for the default backend by the engine's
-own `engine.programs.compile_transition`, the on-disk cache of each program's
+Owns: the choice of the serve's step programs it charges (`step_programs`: of the engine's own
+program list, `engine.program_list.serve_programs`, the model's programs at the largest shapes,
+on abstract weights and pool — nothing is allocated), their compilation for the default backend
+by the engine's own `engine.programs.compile_transition`, the on-disk cache of each program's
 `memory_analysis()`, and the affine model the inverse queries' probes use.
 
 What is charged: per program, `temp_size_in_bytes` (XLA's scratch) plus the outputs that do not
@@ -11,7 +11,7 @@ alias the donated pool (`output_size_in_bytes − alias_size_in_bytes`: logits, 
 rows); the arguments (weights and pools) are charged elsewhere. The activation figure is the
 peak over the programs (they run one at a time).
 
-The programs, at the serve's largest shapes (`PoolCounts` of the evaluation):
+The programs, at the serve's largest shapes (`PoolCounts` of the evaluation; `_largest`):
 - prefill: `transitions.prefill_chunk` over one full chunk (`counts.prefill_bucket` of
   `counts.prefill_chunk` tokens: the Engine's largest prefill bucket);
 - decode / verify: `transitions.step_rows` at `bucket_width(real_slots)` sequences, T = 1 / K;
@@ -40,7 +40,7 @@ Invariants:
 - A model of G >= 3 layer groups (`model.layer_groups.layer_groups`) is compiled at its first group and
   its first two (`DEPTH_PROBE_GROUPS`, `truncate_groups`: same widths, MTP layers and counts),
   and each program's bytes at G groups are the affine extension of the two: t1 + (t2 - t1)(G - 1);
-  a program that runs no trunk layer (`StepProgram.trunk_free`: the propose) at the first only.
+  a program that runs no trunk layer (`Program.trunk_free`: the propose) at the first only.
   The list layout unrolls the layers, and what a program holds across layers adds the same bytes
   per group; the transients (a layer's, the MTP head's, the lm_head's) do not depend on the
   depth. On the backends of `DEPTH_PROBE_BACKENDS` only; `full_depth=True` compiles at the
@@ -68,7 +68,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
@@ -81,19 +81,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from kernels_cpu.rows_matmul.api import rows_kernel_switched_on
 from kernels_pallas.ops import Ops
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine import transitions as tr
-from metrale_jax.engine.capacity import PoolCounts, bucket_width, draft_table_width, pool_counts
-from metrale_jax.engine.inputs import (
-    ModelStatic,
-    PrefillChunk,
-    PrefillStatic,
-    ProposeBatch,
-    ProposeStatic,
-    SpeculativeStatic,
-    StepBatch,
-    StepStatic,
-    abstract,
-)
+from metrale_jax.engine.capacity import PoolCounts, pool_counts
+from metrale_jax.engine.inputs import ModelStatic
+from metrale_jax.engine.program_list import Program, serve_programs
 from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
@@ -165,81 +155,32 @@ def backend_label() -> tuple[str, str]:
     return jax.default_backend(), jax.devices()[0].device_kind
 
 
-# ---------------------------------------------------------------- the abstract step programs
+# ---------------------------------------------------------------- the planned programs
+
+#: The programs the planner charges (`program_list.Program.name`): those that run the model.
+PLANNED = ("prefill", "decode", "verify", "propose", "speculative")
 
 
-@dataclasses.dataclass(frozen=True)
-class StepProgram:
-    """One transition call as the Engine makes it: report `name`, the `ProgramCache` name
-    (`transition`), the function, its static part and its abstract arguments (pool, params, input).
-    `trunk_free`: the program runs no trunk layer and passes the trunk's pool leaves through
-    donated, so its bytes do not depend on the depth (the depth probe compiles it once)."""
-
-    name: str
-    transition: str
-    fn: Callable
-    static: ModelStatic
-    args: tuple
-    shape: str
-    trunk_free: bool = False
+def _largest(programs: Sequence[Program]) -> tuple[Program, ...]:
+    """Of each `PLANNED` kind, the program at the largest shapes (widest batch or prefill bucket,
+    then the most drafts), in the list's order; the logits-returning fused steps are the diff's."""
+    top: dict[str, Program] = {}
+    for p in programs:
+        if p.name not in PLANNED or getattr(p.static, "logits", False):
+            continue
+        rank = (p.width, getattr(p.static, "num_drafts", 0))
+        best = top.get(p.name)
+        if best is None or rank > (best.width, getattr(best.static, "num_drafts", 0)):
+            top[p.name] = p
+    return tuple(top.values())
 
 
 def step_programs(
     config: ModelConfig, counts: PoolCounts, settings: EngineSettings, params: Any, pool: Any, ops: Ops
-) -> tuple[StepProgram, ...]:
-    """The serve's step programs at its largest shapes, on the inputs `Engine.prefill`,
-    `Engine._rows` and `Engine.propose_batched` build (`params` and `pool` abstract)."""
-    drafter = counts.drafter
-    mbd = draft_table_width(settings.max_seq_len)
-    tb = counts.prefill_bucket(counts.prefill_chunk)
-    out = [
-        StepProgram(
-            "prefill",
-            "prefill_chunk",
-            tr.prefill_chunk,
-            PrefillStatic(config, counts, ops, drafter=drafter),
-            (pool, params, abstract(PrefillChunk.padded(counts, mbd, tb))),
-            f"1x{tb} tokens",
-        )
-    ]
-    w = bucket_width(counts.real_slots)
-    for verify in (False, True) if counts.speculative else (False,):
-        t = counts.k if verify else 1
-        out.append(
-            StepProgram(
-                "verify" if verify else "decode",
-                "step_rows",
-                tr.step_rows,
-                StepStatic(config, counts, ops, verify=verify, drafter=drafter),
-                (pool, params, abstract(StepBatch.padded(counts, mbd, w, t, verify=verify))),
-                f"{w}x{t} rows",
-            )
-        )
-    if drafter:
-        out.append(
-            StepProgram(
-                "propose",
-                "propose",
-                tr.propose,
-                ProposeStatic(config, counts, ops, num_drafts=settings.num_drafts),
-                (pool, params, abstract(ProposeBatch.padded(counts, mbd, w))),
-                f"{w} seqs x {settings.num_drafts} drafts",
-                trunk_free=True,
-            )
-        )
-    if counts.speculative and settings.ssm_rollback_mode == "snapshot":
-        nd = settings.num_drafts if drafter else 0
-        out.append(
-            StepProgram(
-                "speculative",
-                "speculative_step",
-                tr.speculative_step,
-                SpeculativeStatic(config, counts, ops, drafter=drafter, num_drafts=nd),
-                (pool, params, abstract(StepBatch.padded(counts, mbd, w, counts.k, verify=True))),
-                f"{w}x{counts.k} rows + {nd} drafts",
-            )
-        )
-    return tuple(out)
+) -> tuple[Program, ...]:
+    """The serve's step programs at its largest shapes: `_largest` of the engine's list
+    (`program_list.serve_programs`) on abstract `params` and `pool`."""
+    return _largest(serve_programs(config, counts, settings, ops, pool, params))
 
 
 def exported_step_programs(
@@ -271,12 +212,12 @@ def _placement(x) -> list:
     return [dict(s.mesh.shape), str(s.spec)] if isinstance(s, NamedSharding) else []
 
 
-def _static_text(static: ModelStatic) -> dict:
+def _static_text(static: ModelStatic | None) -> dict:
     """The static part's fields as stable text (dataclasses as their field dicts, other objects
     by class; `PoolCounts.kv_tokens`, which no transition reads, left out so workloads sharing
     the block counts share the entry)."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(static):
+    for f in dataclasses.fields(static) if static is not None else ():
         k, v = f.name, getattr(static, f.name)
         if isinstance(v, PoolCounts):
             v = dataclasses.replace(v, kv_tokens=0)
@@ -416,7 +357,7 @@ class ActivationModel:
 
     def programs_at(
         self, settings: EngineSettings, counts: PoolCounts, cfg: ModelConfig | None = None
-    ) -> tuple[StepProgram, ...]:
+    ) -> tuple[Program, ...]:
         """The abstract step programs of `cfg` (default: the model's) at `counts` (pool traced with
         `allocate_pool`), sharded as the engine shards them under the settings' mesh."""
         cfg = self.config if cfg is None else cfg
@@ -436,7 +377,7 @@ class ActivationModel:
 
     # -- one shape set, exactly
 
-    def _key(self, p: StepProgram) -> str:
+    def _key(self, p: Program) -> str:
         doc = {
             "version": CACHE_VERSION,
             "program": p.name,
@@ -500,7 +441,7 @@ class ActivationModel:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
-    def _analyse(self, p: StepProgram) -> ProgramMemory:
+    def _analyse(self, p: Program) -> ProgramMemory:
         key = self._key(p)
         entry = self._read(key)
         how = HOW_CACHED
