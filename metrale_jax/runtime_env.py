@@ -77,6 +77,11 @@ def prepare(
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def allowed_cores() -> int:
+    """The CPU cores this process may run on (its affinity; the machine's count where the OS has none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pin_to_one_core() -> None:
     """Pin this process to its first allowed CPU and publish its last one in `SIBLING_CPU`, so a
     child process can take a core of its own. A no-op where the OS has no CPU affinity.

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jaxlib
 
+from metrale_jax import runtime_env
 from metrale_jax.diff.decode import diff_prompts, diff_swap, diff_widths
 from metrale_jax.diff.prefill import diff_prefill
 from metrale_jax.diff.progress import SILENT, Progress
@@ -43,7 +44,7 @@ def provenance(engine) -> dict:
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "cpu_threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_threads": runtime_env.allowed_cores(),
         "dtype": str(engine.dtype),
         "settings": [
             {"setting": p.setting, "requested": p.requested, "effective": p.effective, "rule": p.rule}

@@ -41,7 +41,6 @@ def _set_tables(block_tables: np.ndarray, draft_tables: np.ndarray, i: int, seq:
 
 def step_batch(
     counts: PoolCounts,
-    draft_width: int,
     seqs: Sequence[SequenceState],
     tokens_per_seq: Sequence[Sequence[int]],
     verify: bool,
@@ -53,7 +52,7 @@ def step_batch(
     if n == 0:
         raise EngineError("a step over zero sequences")
     t = counts.k if verify else 1
-    batch = StepBatch.padded(counts, draft_width, bucket_width(n), t, verify=verify)
+    batch = StepBatch.padded(counts, counts.draft_table_width, bucket_width(n), t, verify=verify)
     r = 0
     for i, (s, rows) in enumerate(zip(seqs, tokens_per_seq)):
         batch.tokens[i, : len(rows)] = rows
@@ -83,20 +82,18 @@ def prefill_bounds(block_size: int, start: int, n: int, chunk: int, cached: bool
     return list(zip(edges[:-1], edges[1:]))
 
 
-def prefill_chunk(counts: PoolCounts, draft_width: int, seq: SequenceState, part: Sequence[int]) -> PrefillChunk:
+def prefill_chunk(counts: PoolCounts, seq: SequenceState, part: Sequence[int]) -> PrefillChunk:
     """The `PrefillChunk` of `part`, the next tokens of `seq` (at its length), at its bucket."""
-    x = PrefillChunk.padded(counts, draft_width, counts.prefill_bucket(len(part)))
+    x = PrefillChunk.padded(counts, counts.draft_table_width, counts.prefill_bucket(len(part)))
     x.tokens[0, : len(part)] = part
     x.start[0], x.length[0], x.slot[0] = seq.seq_len, len(part), seq.slot
     _set_tables(x.block_table, x.draft_table, 0, seq)
     return x
 
 
-def propose_batch(
-    counts: PoolCounts, draft_width: int, seqs: Sequence[SequenceState], last: Sequence[int]
-) -> ProposeBatch:
+def propose_batch(counts: PoolCounts, seqs: Sequence[SequenceState], last: Sequence[int]) -> ProposeBatch:
     """The `ProposeBatch` of seqs, each from its last sampled token last[i] at its length."""
-    x = ProposeBatch.padded(counts, draft_width, bucket_width(len(seqs)))
+    x = ProposeBatch.padded(counts, counts.draft_table_width, bucket_width(len(seqs)))
     for i, (s, tok) in enumerate(zip(seqs, last)):
         x.last[i], x.seq_lens[i], x.slots[i], x.valid[i] = tok, s.seq_len, s.slot, True
         x.draft_tables[i, : len(s.draft_blocks)] = s.draft_blocks
@@ -129,9 +126,9 @@ def stash_batch(counts: PoolCounts, seqs: Sequence[SequenceState], rows: Sequenc
     return x
 
 
-def sequence_address(counts: PoolCounts, draft_width: int, seq: SequenceState) -> SequenceAddress:
+def sequence_address(counts: PoolCounts, seq: SequenceState) -> SequenceAddress:
     """Where `seq`'s state lives (slot, null-padded block tables)."""
-    at = SequenceAddress.padded(counts, draft_width)
+    at = SequenceAddress.padded(counts, counts.draft_table_width)
     at.slot[...] = seq.slot
     at.blocks[: len(seq.blocks)] = seq.blocks
     at.draft_blocks[: len(seq.draft_blocks)] = seq.draft_blocks

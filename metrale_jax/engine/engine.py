@@ -123,7 +123,11 @@ class Engine(VerdictProtocol):
         self.forward = forward
         self.ops = make_ops(forward)
         self.replay = settings.ssm_rollback_mode == "replay"
-        self.draft_width = self.counts.draft_table_width  # MBd, the drafter tables' width
+
+    @property
+    def draft_width(self) -> int:
+        """MBd, the drafter tables' width (`PoolCounts.draft_table_width`)."""
+        return self.counts.draft_table_width
 
     # ------------------------------------------------------------ forward selection and placement
 
@@ -191,7 +195,7 @@ class Engine(VerdictProtocol):
         bounds = batching.prefill_bounds(self.counts.block_size, seq.seq_len, len(tokens), chunk, cached, branch)
         for off, end in bounds:
             part = tokens[off:end]
-            x = batching.prefill_chunk(self.counts, self.draft_width, seq, part)
+            x = batching.prefill_chunk(self.counts, seq, part)
             logits, self.pool = self.programs.run("prefill_chunk", tr.prefill_chunk, static, self.pool, self.params, x)
             seq.seq_len += len(part)
             seq.tokens += part
@@ -231,7 +235,7 @@ class Engine(VerdictProtocol):
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run `step_rows` for seqs with ragged rows at positions starts[i].. (default: their
         lengths, which then grow by the rows); returns (logits [R, V], argmax [R]) numpy."""
-        batch, r = batching.step_batch(self.counts, self.draft_width, seqs, tokens_per_seq, verify, starts)
+        batch, r = batching.step_batch(self.counts, seqs, tokens_per_seq, verify, starts)
         static = StepStatic(self.cfg, self.counts, self.ops, verify=verify, drafter=self.drafter)
         logits, argmax, hidden, self.pool = self.programs.run(
             "step_rows", tr.step_rows, static, self.pool, self.params, batch
@@ -323,7 +327,7 @@ class Engine(VerdictProtocol):
             raise EngineError(f"sequence(s) {pending} have a verify awaiting its verdict (Engine.accept)")
         rows = self._verify_rows(seqs, tokens, ks)
         self.blocks.reserve(seqs, [s.seq_len + k + num_drafts + 1 for s, k in zip(seqs, ks)])
-        batch, r = batching.step_batch(self.counts, self.draft_width, seqs, rows, verify=True)
+        batch, r = batching.step_batch(self.counts, seqs, rows, verify=True)
         static = SpeculativeStatic(
             self.cfg, self.counts, self.ops, drafter=self.drafter, num_drafts=num_drafts, logits=logits
         )
@@ -359,7 +363,7 @@ class Engine(VerdictProtocol):
             raise EngineError(f"num_drafts {num_drafts} outside 1..{self.counts.propose_drafts}")
         self.blocks.reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
         n = len(seqs)
-        x = batching.propose_batch(self.counts, self.draft_width, seqs, last)
+        x = batching.propose_batch(self.counts, seqs, last)
         static = ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=num_drafts)
         drafts, conf, logits, self.pool = self.programs.run("propose", tr.propose, static, self.pool, self.params, x)
         for s in seqs:
@@ -377,7 +381,7 @@ class Engine(VerdictProtocol):
 
     def save_sequence_state(self, seq: SequenceState) -> SwapRecord:
         """Swap-out record: numpy copies of everything the sequence owns on device, plus host facts."""
-        at = batching.sequence_address(self.counts, self.draft_width, seq)
+        at = batching.sequence_address(self.counts, seq)
         arrays, self.pool = self.programs.run("read_state", tr.read_sequence_state, None, self.pool, at)
         return SwapRecord(
             device=jax.tree_util.tree_map(self._fetch, arrays),
@@ -394,7 +398,7 @@ class Engine(VerdictProtocol):
             raise EngineError("restore needs a freshly allocated sequence")
         self.blocks.reserve([seq], [record.seq_len], held=(record.blocks, record.draft_blocks))
         dev = jax.tree_util.tree_map(jnp.asarray, record.device)
-        at = batching.sequence_address(self.counts, self.draft_width, seq)
+        at = batching.sequence_address(self.counts, seq)
         self.pool = self.programs.run("write_state", tr.write_sequence_state, None, self.pool, dev, at)
         seq.seq_len, seq.tokens, seq.drafter_len = record.seq_len, list(record.tokens), record.drafter_len
 

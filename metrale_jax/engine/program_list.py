@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,7 @@ from typing import Any, Protocol
 import jax
 
 from kernels_pallas.ops import Ops
+from metrale_jax import runtime_env
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import transitions as tr
 from metrale_jax.engine.capacity import DECODE_BATCH_LADDER, PoolCounts, bucket_width
@@ -278,13 +278,12 @@ def warm_up(
     t0 = time.perf_counter()
     if progress is not None:
         progress.section(label, len(programs))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     def advance(*_: Any) -> None:
         if progress is not None:
             progress.advance()
 
-    with ThreadPoolExecutor(max(1, cores)) as pool:
+    with ThreadPoolExecutor(runtime_env.allowed_cores()) as pool:
         futures = []
         for p in programs:
             compile = cache.lower(p.transition, p.fn, p.static, *p.args)
