@@ -57,6 +57,9 @@ from transformers import (  # noqa: E402
 # The fixtures' configs: plain dicts in the registry, which imports no jax (this venv has none).
 from metrale_jax.model_registry import HF_FIXTURES  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+import make_tokenizer_fixtures  # noqa: E402
+
 PROMPT_LEN = 133  # > 2 chunks of 64: the prefill crosses two chunk boundaries of the chunked GDN
 DECODE_LEN = 16
 
@@ -578,6 +581,8 @@ def main(argv=None) -> int:
         st = make_fixture(name, HF_FIXTURES[name], args.out, validate=not args.no_validate)
         all_stats.append(st)
         print(json.dumps(st))
+    if args.only is None or "qwen3_5_dense" in args.only:  # the tokenizer fixtures (HF's ids, chat text, greedy chat)
+        make_tokenizer_fixtures.main(["--chat-model", str(args.out / "qwen3_5_dense")])
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
     print(f"done in {time.time() - t0:.1f}s; {args.out} holds {total / 1e6:.2f} MB")
     return 0
