@@ -22,6 +22,13 @@ Invariants:
   program the list missed). Steady-state tokens/s is `metrale_jax.engine.throughput`'s (the steps
   after the prefill that compiled no program); the compile seconds are the engine's
   `ProgramCache.compile_seconds` (summed over programs compiled side by side).
+- Text in, text out through the checkpoint's own tokenizer (`metrale_jax.tokenizer`), checked
+  before the weights are read: a tokenizer file that cannot be used, a prompt its vocabulary
+  cannot encode, a chat template that fails to render (`--chat`) are refused first. `--chat`
+  renders [`--system`, the prompt] with the checkpoint's chat template and a generation prompt,
+  as transformers' `apply_chat_template` (its ids encoded without added special tokens, as there).
+- Generation ends at the checkpoint's EOS ids (`stop_ids`: generation_config.json, else
+  config.json), the EOS token kept, as HF's `generate` does; presets declare none.
 Defaults differing from a serve (each overridable by its flag): one slot (`--max-batch-size 1`),
 `--max-seq-len` just covering what the request reaches, `--kv-cache-dtype f32`.
 """
@@ -29,11 +36,13 @@ Defaults differing from a serve (each overridable by its flag): one slot (`--max
 from __future__ import annotations
 
 import math
-import os
 import time
+from typing import Any
 
 import click
 
+from metrale_jax.chat_template import chat_messages, load_chat_template
+from metrale_jax.config import load_model_config
 from metrale_jax.diff.progress import Bar
 from metrale_jax.engine.capacity import ladder_drafts
 from metrale_jax.engine.engine import Engine
@@ -42,11 +51,11 @@ from metrale_jax.engine.settings import format_k_ladder, resolve_settings
 from metrale_jax.engine.sharding import make_mesh
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.engine.throughput import StepClock
+from metrale_jax.hub_cache import checkpoint_directory
 from metrale_jax.memory.plan import require_room, serve_pools
-from metrale_jax.presets import resolve_checkpoint
-from metrale_jax.presets_data import PRESET_DIRS
+from metrale_jax.presets import PRESETS, resolve_checkpoint
 from metrale_jax.research import ScheduleRun
-from metrale_jax.tokenizer import tokenizer_for
+from metrale_jax.tokenizer import HFTokenizer, Tokenizer, stop_ids, tokenizer_for
 from metrale_jax_cli.errors import UsageError, user_errors
 from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
@@ -69,6 +78,22 @@ def _acceptance_lines(run: ScheduleRun) -> list[str]:
     return lines
 
 
+def prompt_ids(
+    directory: str | None, vocab_size: int, prompt: str, chat: bool, system: str | None, thinking: bool | None
+) -> tuple[Tokenizer, list[int]]:
+    """The checkpoint's tokenizer and the ids of the request: `prompt` as text, or with `chat` the
+    rendered conversation [system, prompt] ending in a generation prompt (`thinking` sets the
+    template's `enable_thinking` when not None). Reads only text files. Raises MetraleError."""
+    tok = tokenizer_for(directory, vocab_size)
+    if not chat:
+        return tok, tok.encode(prompt)
+    if directory is None:
+        raise UsageError("--chat needs a checkpoint directory with a chat template (a preset has none)")
+    variables: dict[str, Any] = {} if thinking is None else {"enable_thinking": thinking}
+    text = load_chat_template(directory).render(chat_messages(prompt, system), add_generation_prompt=True, **variables)
+    return tok, tok.encode(text, add_special_tokens=False) if isinstance(tok, HFTokenizer) else tok.encode(text)
+
+
 def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
     """The longest a generation's sequence gets, in KV positions: the prompt, the output and, with
     drafts, a verify's K = drafts + 1 rows past the last committed token plus the next propose's
@@ -79,6 +104,13 @@ def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
 @click.command("generate")
 @click.option("--checkpoint", required=True, help="Preset (tiny, small) or checkpoint directory.")
 @click.option("--prompt", required=True, help="Prompt text, encoded with the checkpoint's tokenizer.")
+@click.option("--chat", is_flag=True, help="Send the prompt as a user turn through the checkpoint's chat template.")
+@click.option("--system", help="With --chat: a system turn before the prompt.")
+@click.option(
+    "--thinking/--no-thinking",
+    default=None,
+    help="With --chat: set the template's enable_thinking (default: the template's own default).",
+)
 @click.option(
     "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Tokens to generate (greedy)."
 )
@@ -97,16 +129,21 @@ def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
 @serve_options
 @click.pass_context
 @user_errors
-def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dtype, **kwargs):
+def generate(ctx, checkpoint, prompt, chat, system, thinking, max_new_tokens, confidence_stop, step, dtype, **kwargs):
     """Continue PROMPT greedily and print the text; with --speculative (e.g. --num-drafts 3) the
     MTP head drafts and each verify checks its drafts, and the acceptance statistics follow."""
     raw = pop_serve_raw(ctx, kwargs)
-    directory = PRESET_DIRS.get(checkpoint, checkpoint if os.path.isdir(checkpoint) else None)
-    cfg, params = resolve_checkpoint(directory or checkpoint, dtype)
-    tok = tokenizer_for(directory, cfg.vocab_size)
-    ids = tok.encode(prompt)
+    if (system is not None or thinking is not None) and not chat:
+        raise UsageError(("--system" if system is not None else "--thinking/--no-thinking") + " needs --chat")
+    directory = checkpoint_directory(checkpoint)
+    if directory is None and checkpoint not in PRESETS:
+        resolve_checkpoint(checkpoint)  # raises the one line naming what --checkpoint may be
+    vocab_size = PRESETS[checkpoint][0].vocab_size if directory is None else load_model_config(directory).vocab_size
+    tok, ids = prompt_ids(directory, vocab_size, prompt, chat, system, thinking)
+    stops = stop_ids(directory)
     if not ids:
         raise UsageError("--prompt is empty")
+    cfg, params = resolve_checkpoint(directory or checkpoint, dtype)
     raw.setdefault("max_batch_size", "1")
     raw.setdefault("kv_cache_dtype", "f32")
     asked = resolve_settings(raw, None, auto_slots=1)
@@ -155,11 +192,13 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
         clock = StepClock(engine.programs, bar.advance)
         if settings.speculative:
             schedule = DraftSchedule(settings.num_drafts, settings.k_ladder, confidence_stop)
-            res = speculative_generate(engine, [ids], max_new_tokens, schedule, fused=step == "fused", progress=clock)
+            res = speculative_generate(
+                engine, [ids], max_new_tokens, schedule, fused=step == "fused", progress=clock, stop_ids=stops
+            )
             run = ScheduleRun.from_generations(schedule, 1, max_new_tokens, [([0], res)])
             out = res.tokens[0]
         else:
-            out = greedy_generate(engine, [ids], max_new_tokens, progress=clock)[0]
+            out = greedy_generate(engine, [ids], max_new_tokens, progress=clock, stop_ids=stops)[0]
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
@@ -168,7 +207,8 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
         if run
         else "plain greedy; add --speculative --num-drafts 3 to see the drafter"
     )
-    click.echo(f"{checkpoint}: {len(ids)} prompt tokens, {len(out)} generated ({mode})")
+    ended = " (ended at EOS)" if out and out[-1] in stops else ""
+    click.echo(f"{checkpoint}: {len(ids)} prompt tokens, {len(out)} generated{ended} ({mode})")
     if note:
         click.echo(note)
     click.echo(tok.decode(ids) + click.style(tok.decode(out), bold=True))

@@ -2,7 +2,8 @@
 
 Owns: the presets (name -> config and seed, or shipped folder; the configs are
 `metrale_jax.model_registry`'s) and `resolve_checkpoint`, the one function every command uses to turn a
-`--checkpoint` value (preset name or directory) into (config, params).
+`--checkpoint` value (preset name, directory, or a hub id with a snapshot in the local Hugging Face
+cache: `metrale_jax.hub_cache`) into (config, params).
 Invariant: a preset's weights are the same bytes on every process and machine, and nothing is
 downloaded: seeded presets (`tiny`) are a pure function of their name and dtype, shipped presets
 (`small`, trained by scripts/train_small.py) are read from the package's own files.
@@ -10,11 +11,10 @@ downloaded: seeded presets (`tiny`) are a pure function of their name and dtype,
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 
 from metrale_jax.checkpoint import CheckpointError, load_checkpoint
+from metrale_jax.hub_cache import checkpoint_directory, hub_cache_dir
 from metrale_jax.model_registry import TINY
 from metrale_jax.params import init_params
 from metrale_jax.presets_data import PRESET_DIRS
@@ -39,8 +39,10 @@ def resolve_checkpoint(name_or_dir: str, dtype: str | None = "float32"):
         return cfg, init_params(cfg, seed, parse_dtype(dtype or "float32"))
     if name_or_dir in PRESET_DIRS:
         return load_checkpoint(PRESET_DIRS[name_or_dir], parse_dtype(dtype or "float32"))
-    if not os.path.isdir(name_or_dir):
+    directory = checkpoint_directory(name_or_dir)
+    if directory is None:
         raise CheckpointError(
-            f"--checkpoint {name_or_dir!r} is neither a preset ({', '.join([*PRESETS, *PRESET_DIRS])}) nor a directory"
+            f"--checkpoint {name_or_dir!r} is neither a preset ({', '.join([*PRESETS, *PRESET_DIRS])}), a directory "
+            f"nor a model in the Hugging Face cache ({hub_cache_dir()})"
         )
-    return load_checkpoint(name_or_dir, None if dtype is None else parse_dtype(dtype))
+    return load_checkpoint(directory, None if dtype is None else parse_dtype(dtype))

@@ -134,11 +134,13 @@ class HFTokenizer:
         name = self.special_tokens.get("eos_token")
         return None if name is None else self.tokenizer.token_to_id(name)
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of `text` (with the tokenizer's own post-processing, as `AutoTokenizer.encode`).
-        Raises TokenizerError naming the first character the vocabulary cannot hold."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, with the tokenizer's own post-processing (a BOS, say) unless
+        `add_special_tokens` is False, as `AutoTokenizer.encode` (a rendered chat template is
+        encoded without it). Raises TokenizerError naming the first character the vocabulary
+        cannot hold."""
         try:
-            ids = list(self.tokenizer.encode(text).ids)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
         except Exception as e:  # the Rust side raises plain Exceptions (e.g. a lone surrogate)
             raise TokenizerError(f"text cannot be encoded by {self.path}: {str(e).splitlines()[0]}") from None
         want = self._normalised(text)

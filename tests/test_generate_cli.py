@@ -1,12 +1,20 @@
 """`metrale-jax generate` (the command object; `cli/main.py` wires it): text out, the same
 continuation plain, fused and composed, acceptance statistics, compile time and steady state apart,
 a clamped draft count said, and one-line user errors, oversized requests refused before anything
-is allocated."""
+is allocated; `--chat` on an HF fixture against HF's greedy generate, stopping at EOS, and text
+problems refused before the weights are read."""
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from metrale_jax_cli.generate_cmd import generate
+from metrale_jax.tokenizer import load_tokenizer
+from metrale_jax_cli.generate_cmd import generate, prompt_ids
+
+SPEC = ("--speculative", "--num-drafts", "3")
 
 PROMPT = "class Stack:\n    def push(self, item):\n        "
 
@@ -85,3 +93,71 @@ def test_bad_checkpoint_and_empty_prompt():
     assert res.exit_code == 2 and "error: --checkpoint 'nope'" in res.output
     res = CliRunner().invoke(generate, ["--checkpoint", "small", "--prompt", ""])
     assert res.exit_code == 2 and "error: --prompt is empty" in res.output
+
+
+# ---------------------------------------------------------------- --chat, EOS, the checkpoint's tokenizer
+
+CHAT_MODEL = Path(__file__).parent / "fixtures" / "hf" / "qwen3_5_dense"
+CHAT_GOLDEN = json.loads((CHAT_MODEL / "chat_golden.json").read_text())
+
+
+def _chat(case: dict, *args: str):
+    return CliRunner().invoke(
+        generate,
+        ["--checkpoint", str(CHAT_MODEL), "--chat", "--system", case["system"], "--prompt", case["user"], *args],
+    )
+
+
+@pytest.mark.parametrize("kind", ["stops_at_eos", "runs_to_max"])
+def test_chat_prompt_ids_equal_transformers(kind):
+    case = CHAT_GOLDEN["cases"][kind]
+    tok, ids = prompt_ids(str(CHAT_MODEL), 256, case["user"], True, case["system"], None)
+    assert ids == case["prompt_ids"]
+
+
+@pytest.mark.parametrize("kind, args", [("stops_at_eos", ()), ("runs_to_max", ()), ("stops_at_eos", SPEC)])
+def test_chat_generates_hf_greedy_tokens_and_stops_at_eos(kind, args):
+    """HF's greedy `generate` (float32) from the same rendered chat prompt: the same text, the same
+    count, ending at the EOS id where HF ended (plain and speculative)."""
+    case, n = CHAT_GOLDEN["cases"][kind], CHAT_GOLDEN["max_new_tokens"]
+    res = _chat(case, "--max-new-tokens", str(n), *args)
+    assert res.exit_code == 0, res.output
+    tok = load_tokenizer(str(CHAT_MODEL))
+    want = case["generated"]
+    ended = " (ended at EOS)" if want[-1] in CHAT_GOLDEN["eos_token_id"] else ""
+    assert f"{len(case['prompt_ids'])} prompt tokens, {len(want)} generated{ended} (" in res.output
+    assert (kind == "stops_at_eos") == bool(ended) and (len(want) < n) == bool(ended)
+    assert tok.decode(case["prompt_ids"]) + tok.decode(want) + "\n" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--system", "s"], "error: --system needs --chat"),
+        (["--no-thinking"], "error: --thinking/--no-thinking needs --chat"),
+        (["--chat"], "error: --chat needs a checkpoint directory with a chat template"),
+    ],
+)
+def test_chat_flag_errors(args, message):
+    res = CliRunner().invoke(generate, ["--checkpoint", "tiny", "--prompt", "x", *args])
+    assert res.exit_code == 2 and res.output.startswith(message), res.output
+
+
+@pytest.mark.parametrize(
+    "edit, args, message",
+    [
+        (lambda d: (d / "tokenizer.json").write_text("{not json"), (), "tokenizer.json is not valid JSON"),
+        (lambda d: (d / "tokenizer.json").write_text('{"a": 1}'), (), "neither a byte-level tokenizer"),
+        (lambda d: None, ("--prompt", "café"), "cannot encode the text: character U+00E9"),
+        (lambda d: (d / "chat_template.jinja").write_text("{{ raise_exception('no') }}"), ("--chat",), "render"),
+        (lambda d: (d / "chat_template.jinja").write_text("{% if %}"), ("--chat",), "does not compile"),
+    ],
+)
+def test_text_problems_are_refused_before_the_weights_are_read(tmp_path, edit, args, message):
+    """The copy has no weights at all: each refusal comes before the loader would miss them."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(CHAT_MODEL / name, tmp_path)
+    edit(tmp_path)
+    res = CliRunner().invoke(generate, ["--checkpoint", str(tmp_path), "--prompt", "hi", *args])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and message in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1

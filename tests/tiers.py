@@ -160,7 +160,9 @@ RULES: tuple[Rule, ...] = (
     ),
     # tools and the CLI
     Rule("test_cli_logits.py", SLOW),
-    Rule("test_generate_cli.py", SLOW, uses=("greedy",)),
+    Rule(
+        "test_generate_cli.py", SLOW, only=("test_chat_generates_hf_greedy_tokens_and_stops_at_eos",), uses=("greedy",)
+    ),
     Rule("test_layering.py", SUBPROCESS),
     Rule("test_research.py", SLOW, uses=("run", "study")),
     Rule(

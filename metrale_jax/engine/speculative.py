@@ -101,9 +101,11 @@ class GenerationResult:
 class SequenceParams:
     """What one request asks of its generation: the place for per-sequence parameters (the
     sampling issue adds its temperature and PRNG key here). max_new_tokens: tokens to emit, the
-    prefill's first."""
+    prefill's first; stop_ids: ids that end the generation once emitted (the checkpoint's EOS ids;
+    the stop id is kept, as HF's `generate` keeps it, and nothing after it)."""
 
     max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass
@@ -122,14 +124,22 @@ class Generation:
     confidences: list[float] = dataclasses.field(default_factory=list)
 
     @property
+    def limit(self) -> int:
+        """The most tokens this generation emits: max_new_tokens, or fewer when a stop id is among
+        them (up to and including the first)."""
+        stop = self.params.stop_ids
+        first = next((i for i, t in enumerate(self.tokens[: self.params.max_new_tokens]) if t in stop), None)
+        return self.params.max_new_tokens if first is None else first + 1
+
+    @property
     def remaining(self) -> int:
         """Tokens still to emit (0 or below: done)."""
-        return self.params.max_new_tokens - len(self.tokens)
+        return self.limit - len(self.tokens)
 
     @property
     def emitted(self) -> int:
-        """Tokens emitted so far, counted up to max_new_tokens."""
-        return min(len(self.tokens), self.params.max_new_tokens)
+        """Tokens emitted so far, counted up to the limit."""
+        return min(len(self.tokens), self.limit)
 
 
 @dataclasses.dataclass
@@ -147,7 +157,7 @@ class SchedulerState:
         return sum(g.emitted for g in self.generations)
 
     def result(self) -> GenerationResult:
-        return GenerationResult([g.tokens[: g.params.max_new_tokens] for g in self.generations], self.steps)
+        return GenerationResult([g.tokens[: g.limit] for g in self.generations], self.steps)
 
 
 #: Called after the prefill and after every step with the tokens emitted so far, all sequences
@@ -177,14 +187,18 @@ def _prefilled(
 
 
 def greedy_generate(
-    engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, progress: OnStep | None = None
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    progress: OnStep | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> list[list[int]]:
     """Plain greedy decoding of all prompts as one batch (decode_batch). Returns the first
-    max_new_tokens generated tokens of each prompt (the prefill's argmax first); `progress` as
-    `OnStep` says."""
+    max_new_tokens generated tokens of each prompt (the prefill's argmax first), each cut after its
+    first id in `stop_ids`; `progress` as `OnStep` says."""
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
-        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens))
+        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens, stop_ids))
         gens = state.generations
         if progress is not None:
             progress(state.emitted())
@@ -194,7 +208,7 @@ def greedy_generate(
                 g.tokens.append(int(row.argmax()))
             if progress is not None:
                 progress(state.emitted())
-        return [g.tokens for g in gens]
+        return [g.tokens[: g.limit] for g in gens]
     finally:
         for s in reversed(seqs):
             engine.free_sequence(s)
@@ -292,6 +306,7 @@ def speculative_generate(
     *,
     fused: bool = True,
     progress: OnStep | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> GenerationResult:
     """Greedy generation verified in batches.
 
@@ -302,12 +317,13 @@ def speculative_generate(
     its slot's capacity), cut at the confidence stop. `fused` runs each step as
     `Engine.speculative_step` (the composed step under replay rollback, which the fused program
     does not implement); otherwise verify, host acceptance, `Engine.accept` and the propose run
-    one by one. `progress` as `OnStep` says.
+    one by one. `progress` as `OnStep` says. A sequence ends after its first id in `stop_ids`
+    (drafts accepted past it are dropped).
     """
     scheduler = Scheduler(engine, schedule, draft_source, fused and not engine.replay)
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
-        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens))
+        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens, stop_ids))
         if progress is not None:
             progress(state.emitted())
         scheduler.next_drafts(state, None)
