@@ -29,7 +29,7 @@ from metrale_jax.memory.weights import outside_bytes, weight_terms
 from metrale_jax.presets import parse_dtype
 from metrale_jax_cli.errors import user_errors
 from metrale_jax_cli.model_toml import load_behavior
-from metrale_jax_cli.recipes import REPO_RECIPES_DIR, serve_argv
+from metrale_jax_cli.recipes import REPO_RECIPES_DIR, load_recipe, serve_argv
 from metrale_jax_cli.serve_flags import parse_serve_argv
 
 
@@ -59,7 +59,7 @@ def plan(
     `activations=False` skips compiling the step programs (no activation term is charged)."""
     dev = find_device(device)
     slots_arg = _parse_slots(slots)
-    source = resolve_model(checkpoint, root)
+    source = resolve_model(checkpoint, root, None if recipe is None else load_recipe(root, recipe).model)
     argv = serve_argv(root, source.id, recipe, engine_flags)
     _, raw = parse_serve_argv(argv)
     behavior = load_behavior(source.model_toml)

@@ -255,11 +255,15 @@ def override_flags(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
 
 
 def serve_argv(recipes_dir: Path, checkpoint: str, recipe_id: str | None, extra: Sequence[str]) -> list[str]:
-    """The serve argv for `checkpoint`: `recipe_id` rendered (its model must be `checkpoint`),
-    or just `[checkpoint]`, then `extra` overriding. Raises RecipeError."""
+    """The serve argv for `checkpoint`: `recipe_id` rendered (its model must be `checkpoint`: a
+    local copy is resolved to its model's id first, `metrale_jax.memory.source.resolve_model`), or
+    just `[checkpoint]`, then `extra` overriding. Raises RecipeError."""
     if recipe_id is None:
         return override_flags([checkpoint], extra)
     recipe = load_recipe(recipes_dir, recipe_id)
     if recipe.model != checkpoint:
-        raise RecipeError(f"recipe {recipe_id} serves {recipe.model}, not --checkpoint {checkpoint}")
+        raise RecipeError(
+            f"recipe {recipe_id} serves {recipe.model}, not --checkpoint {checkpoint} (a local copy of "
+            f"{recipe.model} is taken for it when its config.json gives the same model)"
+        )
     return override_flags(render_argv(recipe), extra)

@@ -236,3 +236,78 @@ def test_tiny_mtp_takes_its_drafts_cap_and_kv_dtype_from_model_toml():
     rules = {p.setting: p.rule for p in s.provenance}
     assert (s.num_drafts, s.mtp_max_seqs, s.kv_cache_dtype) == (3, 16, "f32")
     assert all(rules[f].startswith("MODEL.toml") for f in ("--num-drafts", "--mtp-max-seqs", "--kv-cache-dtype"))
+
+
+# ---- a recipe on a local copy of its model; a hub id in the local Hugging Face cache ----
+
+NEXT = "Qwen/Qwen3-Next-80B-A3B-Instruct"
+NEXT_MTP = "qwen3-next/qwen3-next-80b-a3b-mtp"
+
+
+def _plan(checkpoint: str, *extra: str):
+    from click.testing import CliRunner
+
+    from metrale_jax_cli.memory_cmd import memory
+
+    args = ["--no-activations", "--json", "--checkpoint", checkpoint, "--device", "H200"]
+    return CliRunner().invoke(memory, [*args, "--isl", "3000", "--osl", "1000", "--concurrency", "4", *extra])
+
+
+def _copy(tmp_path, name: str, edit=None) -> str:
+    """A download of the 80B as far as the planner reads it: its config.json (no MODEL.toml)."""
+    import json
+
+    raw = json.loads((REPO_RECIPES_DIR / "models" / NEXT / "config.json").read_text())
+    if edit:
+        edit(raw)
+    folder = tmp_path / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    return str(folder)
+
+
+def test_a_recipe_plans_a_local_copy_of_its_model_with_the_recipes_model_toml(tmp_path):
+    import json
+
+    folder = _copy(tmp_path, "downloads/qwen3-next")
+    src = resolve_model(folder, REPO_RECIPES_DIR, NEXT)
+    assert src.id == NEXT and src.model_toml == REPO_RECIPES_DIR / "models" / NEXT / "MODEL.toml"
+    assert src.config_from == f"{folder}/config.json"
+    r = _plan(folder, "--recipe", NEXT_MTP)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["checkpoint"]["id"] == NEXT and d["checkpoint"]["model_toml"] == str(src.model_toml)
+    assert d["checkpoint"]["config"] == f"{folder}/config.json"
+    assert resolve_model(folder, REPO_RECIPES_DIR).id == folder  # no recipe: the copy is itself
+
+
+def test_a_copy_of_another_model_is_refused_by_the_recipe(tmp_path):
+    folder = _copy(tmp_path, "other", edit=lambda raw: raw.update(num_hidden_layers=44))
+    r = _plan(folder, "--recipe", NEXT_MTP)
+    assert r.exit_code == 2 and f"serves {NEXT}, not --checkpoint {folder}" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_a_hub_id_finds_its_snapshot_in_the_hf_cache(tmp_path, monkeypatch):
+    import json
+
+    from metrale_jax.hub_cache import checkpoint_directory, find_snapshot, hub_cache_dir
+
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-Next-80B-A3B-Instruct"
+    old = _copy(repo / "snapshots", "0ld", edit=lambda raw: raw.update(num_hidden_layers=4))
+    snap = _copy(repo / "snapshots", "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123\n")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert hub_cache_dir() == str(tmp_path / "hub") and find_snapshot(NEXT) == snap
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert checkpoint_directory(NEXT) == snap and checkpoint_directory("Qwen/absent") is None
+    (repo / "refs" / "main").write_text("gone\n")
+    assert find_snapshot(NEXT) in (old, snap) and find_snapshot("../x") is None
+    (repo / "refs" / "main").write_text("abc123\n")
+    r = _plan(NEXT, "--recipe", NEXT_MTP)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["checkpoint"]["id"] == NEXT and d["checkpoint"]["config"] == f"{snap}/config.json"
+    assert d["checkpoint"]["model_toml"] == str(REPO_RECIPES_DIR / "models" / NEXT / "MODEL.toml")

@@ -7,9 +7,15 @@ is downloaded and no tensor is read.
 
 Invariants:
 - Resolution order: preset (`tiny` or `metrale-jax/tiny`), then an existing directory with a
-  config.json, then `<recipes>/models/<id>/config.json`; anything else is refused.
-- MODEL.toml is `<model dir>/MODEL.toml` (presets: `<recipes>/models/metrale-jax/<name>/`),
-  whether or not the file exists (an absent file means engine defaults).
+  config.json, then a hub id's snapshot in the local Hugging Face cache
+  (`metrale_jax.hub_cache.find_snapshot`), then `<recipes>/models/<id>/config.json`; anything
+  else is refused.
+- A local copy of a model (a directory, a cache snapshot) is that model when the `expected` id
+  (a recipe's model) has `<recipes>/models/<expected>/config.json` and both config.json files give
+  the same `ModelConfig`: the id becomes `expected`.
+- MODEL.toml is `<model dir>/MODEL.toml` (presets: `<recipes>/models/metrale-jax/<name>/`); a
+  copy without one takes `<recipes>/models/<id>/MODEL.toml`, where a download never has it.
+  Absent everywhere, it means engine defaults.
 - With safetensors present, the config is completed from the headers exactly as the loader
   completes it (`metrale_jax.checkpoint.plan_load`), so planner and loader see one model.
 """
@@ -22,6 +28,7 @@ from pathlib import Path
 
 from metrale_jax.checkpoint import Binding, TensorRef, index_checkpoint, plan_load
 from metrale_jax.config import ModelConfig, load_model_config
+from metrale_jax.hub_cache import find_snapshot
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.presets import PRESETS
 from metrale_jax.presets_data import PRESET_DIRS
@@ -58,8 +65,9 @@ def _declared_dtype(config_json: Path) -> str:
     return "bfloat16"
 
 
-def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
-    """Resolve `--checkpoint arg` against the presets and `<recipes_dir>/models`.
+def resolve_model(arg: str, recipes_dir: Path, expected: str | None = None) -> ModelSource:
+    """Resolve `--checkpoint arg` against the presets, the directories, the local HF cache and
+    `<recipes_dir>/models`; `expected` (a recipe's model id) names the model a local copy may be.
 
     Raises PlanError (unknown checkpoint), `ConfigError` or `CheckpointError`,
     each with one clear line.
@@ -76,12 +84,15 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
             dtype="float32",
         )
     path = Path(PRESET_DIRS.get(name, arg))
+    snapshot = find_snapshot(arg)
     if (path / "config.json").is_file():
         directory = path
         try:
             model_id = path.resolve().relative_to(models_dir.resolve()).as_posix()
         except ValueError:
             model_id = arg
+    elif snapshot is not None:
+        directory, model_id = Path(snapshot), arg
     elif (models_dir / arg / "config.json").is_file():
         directory, model_id = models_dir / arg, arg
     else:
@@ -94,6 +105,12 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
             f"config.json, or a model id under {models_dir} (known: {known})"
         )
     config = load_model_config(directory)
+    expected_config = models_dir / (expected or "") / "config.json"
+    if expected and model_id != expected and expected_config.is_file() and load_model_config(expected_config) == config:
+        model_id = expected  # a local copy of the recipe's model
+    model_toml = directory / "MODEL.toml"
+    if not model_toml.is_file() and (models_dir / model_id / "MODEL.toml").is_file():
+        model_toml = models_dir / model_id / "MODEL.toml"
     tensors: dict[str, TensorRef] = {}
     binds: tuple[Binding, ...] = ()
     if any(directory.glob("*.safetensors")):
@@ -104,7 +121,7 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
         id=model_id,
         config=config,
         config_from=str(directory / "config.json"),
-        model_toml=directory / "MODEL.toml",
+        model_toml=model_toml,
         dtype=_declared_dtype(directory / "config.json"),
         tensors=tensors,
         bindings=binds,
