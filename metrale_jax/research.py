@@ -6,8 +6,9 @@ the schedule constructors (`flat_schedule`, `ladder_schedule`), `ScheduleRun` (t
 summaries (mean accepted length, acceptance by draft position, tokens per verify row, confidence
 calibration, the trade-off of a confidence cut-off), `Study.sweep`, the wall-clock measurement
 (`Study.throughput` -> `Throughput`, on `Study.serving` engines, each sized as a serve, and
-`machine_label`, the machine it ran on), `study_for` (a cached study of a checkpoint) and
-`heldout_prompts` (prompts from the small model's held-out text).
+`machine_label`, the machine it ran on), `study_for` (a cached study of a checkpoint, with the
+checkpoint's own tokenizer) and `heldout_prompts` (prompts from the small model's held-out text,
+encoded by a given tokenizer: bytes by default).
 
 Invariants:
 - Runs are greedy: every emitted token is the verify's argmax, so a run's tokens equal plain
@@ -43,10 +44,10 @@ from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.settings import parse_k_ladder, resolve_settings
 from metrale_jax.engine.speculative import DraftSchedule, GenerationResult, greedy_generate, speculative_generate
 from metrale_jax.engine.throughput import StepClock
+from metrale_jax.hub_cache import checkpoint_directory
 from metrale_jax.presets import resolve_checkpoint
-from metrale_jax.presets_data import PRESET_DIRS
-from metrale_jax.tokenizer import ByteTokenizer
-from metrale_jax.training.corpus import default_stdlib_dir, load_corpus
+from metrale_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, tokenizer_for
+from metrale_jax.training.corpus import default_stdlib_dir, is_validation_file, load_corpus
 from metrale_jax.training.recipe import SMALL_RECIPE
 
 
@@ -324,12 +325,22 @@ class Study:
     slot (so any schedule up to `max_drafts` fits at any width; the schedule decides what is
     used), and the engine compiles each program once for the whole study. Wall-clock
     measurements run on `serving` engines instead: a plain serve and one serve per draft count.
+    `tokenizer`: the checkpoint's (None when it has none), for `heldout_prompts` and decoding.
     """
 
-    def __init__(self, cfg: ModelConfig, params, *, max_width: int = 32, max_drafts: int = 4, max_seq_len: int = 512):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        *,
+        max_width: int = 32,
+        max_drafts: int = 4,
+        max_seq_len: int = 512,
+        tokenizer: Tokenizer | None = None,
+    ):
         if cfg.num_mtp_layers == 0:
             raise ValueError("a draft-schedule study needs a model with an MTP head")
-        self.cfg, self.params = cfg, params
+        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.max_width, self.max_drafts, self.max_seq_len = max_width, max_drafts, max_seq_len
         self._engines: dict[int | None, Engine] = {}
 
@@ -477,18 +488,26 @@ def _steady_seconds(engine: Engine, generate, tokens: int) -> float:
 
 @functools.lru_cache(maxsize=4)
 def study_for(checkpoint: str, max_width: int = 32, max_drafts: int = 4, max_seq_len: int = 512) -> Study:
-    """The `Study` of a preset name or checkpoint directory, cached: everything in one process
-    that studies the same checkpoint (notebooks run back to back, tests) shares one engine and its
-    compiled programs."""
-    cfg, params = resolve_checkpoint(PRESET_DIRS.get(checkpoint, checkpoint))
-    return Study(cfg, params, max_width=max_width, max_drafts=max_drafts, max_seq_len=max_seq_len)
+    """The `Study` of a preset name, checkpoint directory or hub id in the local HF cache, with the
+    checkpoint's own tokenizer (bytes for a preset whose vocabulary covers them), cached:
+    everything in one process that studies the same checkpoint (notebooks run back to back,
+    tests) shares one engine and its compiled programs."""
+    directory = checkpoint_directory(checkpoint)
+    cfg, params = resolve_checkpoint(directory or checkpoint)
+    tok = tokenizer_for(directory, cfg.vocab_size) if directory or cfg.vocab_size >= 256 else None
+    return Study(cfg, params, max_width=max_width, max_drafts=max_drafts, max_seq_len=max_seq_len, tokenizer=tok)
 
 
-def heldout_prompts(count: int, length: int, seed: int = 0, corpus_dir: str | None = None) -> list[list[int]]:
-    """`count` byte-token prompts of `length` tokens from the small model's held-out stdlib files
-    (the training recipe's split of `corpus_dir`, default this Python's stdlib), each starting at
-    a line start, none crossing a file boundary; deterministic in `seed`. Raises ValueError when
-    the held-out text is too short."""
+def heldout_prompts(
+    count: int, length: int, seed: int = 0, corpus_dir: str | None = None, tokenizer: Tokenizer | None = None
+) -> list[list[int]]:
+    """`count` prompts of `length` tokens from the small model's held-out stdlib files (the
+    training recipe's split of `corpus_dir`, default this Python's stdlib), each starting at a
+    line start, none crossing a file boundary; deterministic in `seed`. `tokenizer` encodes them
+    (a checkpoint's `tokenizer.json`; None or a byte tokenizer: bytes, the small model's own).
+    Raises ValueError when the held-out text is too short."""
+    if isinstance(tokenizer, HFTokenizer):
+        return _token_prompts(tokenizer, count, length, seed, corpus_dir or default_stdlib_dir())
     tokenizer = ByteTokenizer()
     val = load_corpus(corpus_dir or default_stdlib_dir(), tokenizer, SMALL_RECIPE.val_every_nth_file).val
     eos = tokenizer.eos_id
@@ -499,3 +518,26 @@ def heldout_prompts(count: int, length: int, seed: int = 0, corpus_dir: str | No
         raise ValueError(f"only {ok.size} held-out prompts of {length} tokens, {count} asked for")
     pick = np.sort(np.random.default_rng(seed).choice(ok, size=count, replace=False))
     return [[int(t) for t in val[s : s + length]] for s in pick]
+
+
+def _token_prompts(tokenizer: HFTokenizer, count: int, length: int, seed: int, corpus_dir: str) -> list[list[int]]:
+    """`heldout_prompts` through a `tokenizers` tokenizer: each held-out file encoded whole, a
+    prompt is `length` ids from a token that starts a line; files the vocabulary cannot encode
+    (or that are not UTF-8) are skipped."""
+    windows: list[list[int]] = []
+    for name in sorted(os.listdir(corpus_dir)):
+        if not name.endswith(".py") or not is_validation_file(name, SMALL_RECIPE.val_every_nth_file):
+            continue
+        try:
+            with open(os.path.join(corpus_dir, name), encoding="utf-8") as f:
+                text = f.read()
+            ids, starts = tokenizer.encode_with_starts(text)
+        except (UnicodeDecodeError, TokenizerError):
+            continue
+        windows += [
+            ids[i : i + length] for i, s in enumerate(starts[: len(ids) - length + 1]) if s == 0 or text[s - 1] == "\n"
+        ]
+    if len(windows) < count:
+        raise ValueError(f"only {len(windows)} held-out prompts of {length} tokens, {count} asked for")
+    pick = np.sort(np.random.default_rng(seed).choice(len(windows), size=count, replace=False))
+    return [windows[i] for i in pick]

@@ -139,12 +139,21 @@ class HFTokenizer:
         `add_special_tokens` is False, as `AutoTokenizer.encode` (a rendered chat template is
         encoded without it). Raises TokenizerError naming the first character the vocabulary
         cannot hold."""
+        return list(self._encoding(text, add_special_tokens).ids)
+
+    def encode_with_starts(self, text: str) -> tuple[list[int], list[int]]:
+        """`encode(text)` and, per id, the character offset in `text` where its token starts
+        (ids the post-processor adds start where the text does)."""
+        enc = self._encoding(text, True)
+        return list(enc.ids), [start for start, _ in enc.offsets]
+
+    def _encoding(self, text: str, add_special_tokens: bool):
         try:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+            enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # the Rust side raises plain Exceptions (e.g. a lone surrogate)
             raise TokenizerError(f"text cannot be encoded by {self.path}: {str(e).splitlines()[0]}") from None
         want = self._normalised(text)
-        back = self.tokenizer.decode(ids, skip_special_tokens=False)
+        back = self.tokenizer.decode(enc.ids, skip_special_tokens=False)
         if back != want:
             at = next((i for i, (a, b) in enumerate(zip(want, back)) if a != b), min(len(want), len(back)))
             what = f"character U+{ord(want[at]):04X} ({want[at]!r})" if at < len(want) else "its end"
@@ -152,7 +161,7 @@ class HFTokenizer:
                 f"the vocabulary of {self.path} cannot encode the text: {what} at offset {at} does not survive "
                 "encoding (no token or byte fallback for it)"
             )
-        return ids
+        return enc
 
     def _normalised(self, text: str) -> str:
         norm = self.tokenizer.normalizer

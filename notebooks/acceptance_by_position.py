@@ -42,8 +42,10 @@ OUT.mkdir(parents=True, exist_ok=True)
 N_PROMPTS, PROMPT_LEN, NEW_TOKENS, WIDTH = (8, 64, 24, 8) if FAST else (64, 64, 64, 16)
 NUM_DRAFTS = 3 if FAST else 4
 
-study = research.study_for("small")
-prompts = research.heldout_prompts(N_PROMPTS, PROMPT_LEN, seed=0)
+# Any checkpoint with an MTP head (a preset, a directory, a hub id in the local HF cache); its own
+# tokenizer encodes the held-out prompts.
+study = research.study_for(os.environ.get("METRALE_NOTEBOOK_CHECKPOINT", "small"))
+prompts = research.heldout_prompts(N_PROMPTS, PROMPT_LEN, seed=0, tokenizer=study.tokenizer)
 
 # %% [markdown]
 # ## One run: a flat schedule (four drafts; three in fast mode)
@@ -85,5 +87,5 @@ fig.savefig(OUT / "acceptance_by_position.png", dpi=120)
 # A sample continuation (prompt, then the greedy continuation), to see what the model writes.
 
 # %%
-tok = ByteTokenizer()
+tok = study.tokenizer or ByteTokenizer()
 print(tok.decode(prompts[0]) + "⟨" + tok.decode(run.tokens[0]) + "⟩")

@@ -39,8 +39,10 @@ N_PROMPTS, PROMPT_LEN, NEW_TOKENS, WIDTH = (8, 64, 24, 8) if FAST else (64, 64, 
 MEASURED = (0.3, 0.6) if FAST else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 NUM_DRAFTS = 3 if FAST else 4
 
-study = research.study_for("small")
-prompts = research.heldout_prompts(N_PROMPTS, PROMPT_LEN, seed=2)
+# Any checkpoint with an MTP head (a preset, a directory, a hub id in the local HF cache); its own
+# tokenizer encodes the held-out prompts.
+study = research.study_for(os.environ.get("METRALE_NOTEBOOK_CHECKPOINT", "small"))
+prompts = research.heldout_prompts(N_PROMPTS, PROMPT_LEN, seed=2, tokenizer=study.tokenizer)
 run = study.run(prompts, NEW_TOKENS, research.flat_schedule(NUM_DRAFTS), width=WIDTH)
 
 # %% [markdown]

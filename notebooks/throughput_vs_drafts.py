@@ -57,8 +57,10 @@ else:
 
 R_SAT = 32  # modelled: rows one verify pass absorbs before it turns compute-bound (an assumption)
 
-study = research.study_for("small")
-prompts = research.heldout_prompts(N_PROMPTS, PROMPT_LEN, seed=1)
+# Any checkpoint with an MTP head (a preset, a directory, a hub id in the local HF cache); its own
+# tokenizer encodes the held-out prompts.
+study = research.study_for(os.environ.get("METRALE_NOTEBOOK_CHECKPOINT", "small"))
+prompts = research.heldout_prompts(N_PROMPTS, PROMPT_LEN, seed=1, tokenizer=study.tokenizer)
 
 # %%
 schedules = {}

@@ -3,12 +3,15 @@ run tables (shapes by chex), their invariants, schedules, summaries, calibration
 replay, and its refusals. Shares `study_for("small")` (one engine, compiled once) with
 test_small_model and the notebooks."""
 
+from pathlib import Path
+
 import chex
 import numpy as np
 import pytest
 
 from metrale_jax import research
 from metrale_jax.engine.capacity import DEFAULT_K_LADDER
+from metrale_jax.tokenizer import HFTokenizer, load_tokenizer
 
 P, NEW, D = 8, 16, 3
 
@@ -127,3 +130,32 @@ def test_heldout_prompts_are_deterministic_lines():
     assert a == b and all(len(p) == 32 for p in a)
     with pytest.raises(ValueError, match="held-out prompts"):
         research.heldout_prompts(10**7, 32)
+
+
+# ---- any checkpoint, with its own tokenizer ----
+
+HF_CHAT = Path(__file__).parent / "fixtures" / "hf" / "qwen3_5_dense"
+QWEN_BPE = Path(__file__).parent / "fixtures" / "tokenizers" / "qwen_bpe"
+
+
+def test_heldout_prompts_through_a_checkpoint_tokenizer():
+    tok = load_tokenizer(str(QWEN_BPE))
+    a = research.heldout_prompts(6, 24, seed=4, tokenizer=tok)
+    assert a == research.heldout_prompts(6, 24, seed=4, tokenizer=tok) and all(len(p) == 24 for p in a)
+    assert a != research.heldout_prompts(6, 24, seed=4)  # not bytes
+    assert max(max(p) for p in a) > 255
+    for p in a:  # each starts a line of a held-out file and is that file's encoding there
+        text = tok.decode(p)
+        assert tok.encode(text) == p
+    assert research.heldout_prompts(2, 24, seed=4, tokenizer=research.study_for("small").tokenizer) == (
+        research.heldout_prompts(2, 24, seed=4)
+    )
+
+
+def test_a_study_of_an_hf_checkpoint_runs_its_own_tokens():
+    study = research.study_for(str(HF_CHAT), max_width=2, max_drafts=2, max_seq_len=64)
+    assert isinstance(study.tokenizer, HFTokenizer)
+    prompts = research.heldout_prompts(2, 16, seed=1, tokenizer=study.tokenizer)
+    assert all(max(p) < study.cfg.vocab_size for p in prompts)
+    run = study.run(prompts, 6, research.flat_schedule(2))
+    assert run.tokens == study.greedy(prompts, 6)

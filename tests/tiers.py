@@ -164,7 +164,9 @@ RULES: tuple[Rule, ...] = (
         "test_generate_cli.py", SLOW, only=("test_chat_generates_hf_greedy_tokens_and_stops_at_eos",), uses=("greedy",)
     ),
     Rule("test_layering.py", SUBPROCESS),
-    Rule("test_research.py", SLOW, uses=("run", "study")),
+    Rule(
+        "test_research.py", SLOW, only=("test_a_study_of_an_hf_checkpoint_runs_its_own_tokens",), uses=("run", "study")
+    ),
     Rule(
         "test_small_model.py",
         SLOW,
