@@ -141,8 +141,10 @@ def training_corpus(rng: np.random.Generator, alphabet: str | None) -> list[str]
     return lines
 
 
-def build_bpe(corpus: list[str], vocab_size: int, alphabet: list[str]) -> Tokenizer:
-    """A Qwen2-style byte-level BPE over `corpus` (vocab ids 0..vocab_size-1), no added tokens yet."""
+def build_bpe(corpus: list[str], vocab_size: int, alphabet: list[str], first_added_id: int | None = None) -> Tokenizer:
+    """A Qwen2-style byte-level BPE over `corpus` (vocab ids 0..vocab_size-1), then Qwen's added
+    tokens from `first_added_id` (default vocab_size; a released size such as Qwen3.5's 248044 fills
+    the ids between with `pad_vocab`'s unreachable entries)."""
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -155,8 +157,19 @@ def build_bpe(corpus: list[str], vocab_size: int, alphabet: list[str]) -> Tokeni
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    if first_added_id is not None and first_added_id > vocab_size:
+        tok = pad_vocab(tok, first_added_id)
     tok.add_tokens([AddedToken(t, special=t.startswith("<|"), normalized=False) for t in QWEN_ADDED])
     return tok
+
+
+def pad_vocab(tok: Tokenizer, size: int) -> Tokenizer:
+    """`tok` (no added tokens yet) with its BPE vocabulary filled to `size` ids by entries no merge
+    produces (`<reserved_i>`), so the added tokens get a released tokenizer's ids."""
+    raw = json.loads(tok.to_str())
+    vocab = raw["model"]["vocab"]
+    vocab.update({f"<reserved_{i}>": i for i in range(len(vocab), size)})
+    return Tokenizer.from_str(json.dumps(raw))
 
 
 def tokenizer_config(tok: Tokenizer) -> dict:
