@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from metrale_jax.engine.speculative import Generation, SequenceParams
 from metrale_jax.tokenizer import load_tokenizer
 from metrale_jax_cli.generate_cmd import generate, prompt_ids
 
@@ -161,3 +162,11 @@ def test_text_problems_are_refused_before_the_weights_are_read(tmp_path, edit, a
     res = CliRunner().invoke(generate, ["--checkpoint", str(tmp_path), "--prompt", "hi", *args])
     assert res.exit_code == 2 and res.output.startswith("error: ") and message in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_a_generation_ends_after_its_first_stop_id():
+    g = Generation(SequenceParams(5, frozenset({7, 9})), None, [1, 2])  # type: ignore[arg-type]
+    assert (g.limit, g.remaining, g.emitted) == (5, 3, 2)
+    g.tokens += [7, 8, 9]  # a verify may accept drafts past the stop id: they are not emitted
+    assert (g.limit, g.remaining, g.emitted) == (3, -2, 3)
+    assert Generation(SequenceParams(2), None, [7, 7, 7]).limit == 2  # type: ignore[arg-type]
