@@ -170,3 +170,15 @@ def test_a_generation_ends_after_its_first_stop_id():
     g.tokens += [7, 8, 9]  # a verify may accept drafts past the stop id: they are not emitted
     assert (g.limit, g.remaining, g.emitted) == (3, -2, 3)
     assert Generation(SequenceParams(2), None, [7, 7, 7]).limit == 2  # type: ignore[arg-type]
+
+
+def test_a_hub_id_reads_its_snapshot_in_the_hf_cache(tmp_path, monkeypatch):
+    snap = tmp_path / "models--org--chat" / "snapshots" / "r1"
+    snap.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(CHAT_MODEL / name, snap)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    res = CliRunner().invoke(generate, ["--checkpoint", "org/chat", "--prompt", "naïve"])
+    assert res.exit_code == 2 and f"the vocabulary of {snap}/tokenizer.json cannot encode" in res.output, res.output
+    res = CliRunner().invoke(generate, ["--checkpoint", "org/absent", "--prompt", "x"])
+    assert res.exit_code == 2 and f"nor a model in the Hugging Face cache ({tmp_path})" in res.output, res.output
