@@ -15,8 +15,9 @@ Invariants:
   self-contained JSON (`{"type": "bytes", "special_tokens": {...}}`).
 - `HFTokenizer.encode` gives the ids transformers' `AutoTokenizer(...).encode` gives (the same
   tokenizer.json through the same library; tests/test_tokenizers.py checks 1,200 strings), and
-  refuses text its vocabulary cannot hold: `decode(encode(text))` must give back the normalised
-  text, so a character the model drops or maps to an unknown token is named, never lost silently.
+  refuses text its vocabulary cannot hold: `decode(encode(text))` must give back the text or its
+  normalised form, so a character the model drops or maps to an unknown token is named, never lost
+  silently.
 - A file that is not JSON or not a tokenizer is one `TokenizerError` line; every check here reads
   only the small text files, never the weights, so commands run them before loading.
 - Nothing is downloaded.
@@ -152,8 +153,8 @@ class HFTokenizer:
             enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # the Rust side raises plain Exceptions (e.g. a lone surrogate)
             raise TokenizerError(f"text cannot be encoded by {self.path}: {str(e).splitlines()[0]}") from None
-        want = self._normalised(text)
         back = self.tokenizer.decode(enc.ids, skip_special_tokens=False)
+        want = text if back == text else self._normalised(text)
         if back != want:
             at = next((i for i, (a, b) in enumerate(zip(want, back)) if a != b), min(len(want), len(back)))
             what = f"character U+{ord(want[at]):04X} ({want[at]!r})" if at < len(want) else "its end"

@@ -101,3 +101,24 @@ def test_config_special_token_must_exist_and_model_must_cover_ids(tmp_path):
         tokenizer_for(str(tmp_path), 512)
     assert isinstance(tokenizer_for(str(tmp_path), 1024), HFTokenizer)
     assert isinstance(tokenizer_for(None, 300), ByteTokenizer)
+
+
+def test_byte_fallback_encodes_characters_outside_the_vocabulary(tmp_path):
+    """A sentencepiece-style BPE (Metaspace, `byte_fallback`): a character without a token goes in
+    as its UTF-8 bytes (`<0xE2>`...), so nothing is refused and the text comes back whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("▁", "h", "i", "▁h", "▁hi"):
+        vocab[piece] = len(vocab)
+    bpe = models.BPE(vocab, [("▁", "h"), ("▁h", "i")], unk_token="<unk>", byte_fallback=True)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_tokenizer(str(tmp_path))
+    ids = loaded.encode("hi ☃")
+    assert ids[0] == vocab["▁hi"] and [vocab[f"<0x{b:02X}>"] for b in "☃".encode()] == ids[-3:]
+    assert loaded.decode(ids) == "hi ☃"
