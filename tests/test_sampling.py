@@ -1,0 +1,159 @@
+"""Token selection (`engine.sampling`): the mask order against HF's warpers on hand-made logits,
+temperature 0 = greedy exactly, keys from (seed, position) only, the Gumbel draw's law, and
+rejection sampling's output law against its closed form (chi-square over 2e5 draws)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metrale_jax.engine import sampling as sm
+from metrale_jax.engine.capacity import PoolCounts
+
+
+def _rows(params: list[sm.Sampling]) -> sm.SamplingRows:
+    return sm.sampling_rows(None, len(params), params)  # type: ignore[arg-type]  # counts unused
+
+
+def _hf_allowed(scores: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """HF's TopK, TopP, MinP warpers (transformers `generation/logits_process.py`) in numpy, in
+    `_get_logits_processor`'s order, on logits already divided by the temperature."""
+    s = scores.astype(np.float64).copy()
+    if top_k > 0:
+        kth = np.sort(s)[::-1][min(top_k, s.size) - 1]
+        s[s < kth] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(s, kind="stable")
+        srt = s[order]
+        p = np.exp(srt - srt.max())
+        cum = np.cumsum(p / p.sum())
+        remove = cum <= 1 - top_p
+        remove[-1] = False
+        s[order[remove]] = -np.inf
+    if min_p > 0:
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        s[p < min_p * p.max()] = -np.inf
+    return np.isfinite(s)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (4, 0.7, 0.0), (5, 0.9, 0.3), (2, 0.5, 0.5)],
+)
+def test_the_allowed_set_follows_hf_order(params):
+    top_k, top_p, min_p = params
+    rng = np.random.default_rng(top_k * 100 + int(top_p * 10))
+    for _ in range(20):
+        logits = rng.normal(size=12).astype(np.float32) * 2
+        for t in (0.5, 1.0, 1.7):
+            scaled = logits / np.float32(t)
+            got = np.asarray(sm.allowed(jnp.asarray(scaled), jnp.int32(top_k), jnp.float32(top_p), jnp.float32(min_p)))
+            np.testing.assert_array_equal(got, _hf_allowed(scaled, top_k, top_p, min_p))
+
+
+def test_the_order_matters_and_is_hfs():
+    """top-p over what top-k left: top-k 2 renormalises (0.4, 0.3) to (4/7, 3/7), so top-p 0.5
+    cuts the second token; top-p on the full row first (mass 0.4 above it) would have kept it."""
+    logits = jnp.log(jnp.asarray([0.4, 0.3, 0.2, 0.1], jnp.float32))
+    got = sm.allowed(logits, jnp.int32(2), jnp.float32(0.5), jnp.float32(0.0))
+    assert np.asarray(got).tolist() == [True, False, False, False]
+    got = sm.allowed(logits, jnp.int32(0), jnp.float32(0.5), jnp.float32(0.0))
+    assert np.asarray(got).tolist() == [True, True, False, False]
+    got = sm.allowed(logits, jnp.int32(0), jnp.float32(1.0), jnp.float32(0.45))
+    assert np.asarray(got).tolist() == [True, True, True, False]
+
+
+def test_temperature_zero_is_first_argmax_exactly():
+    logits = jnp.asarray([[1.0, 3.0, 3.0, -1.0], [0.0, 0.0, 0.0, 0.0], [2.0, jnp.nan, 5.0, 1.0]], jnp.float32)
+    rows = _rows([sm.Sampling(seed=s, top_k=1, top_p=0.3) for s in range(3)])
+    got = sm.draw(logits, rows, jnp.arange(3, dtype=jnp.int32))
+    assert np.asarray(got).tolist() == [1, 0, 1]
+
+
+def test_a_draw_depends_on_seed_and_position_only():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(1, 64)), jnp.float32)
+    p = sm.Sampling(temperature=1.0, seed=11)
+    one = sm.draw(logits, _rows([p]), jnp.asarray([5], jnp.int32))
+    wide = jnp.tile(logits, (8, 1))
+    mixed = _rows([sm.Sampling(temperature=0.5, seed=i) for i in range(8)])
+    mixed.set_row(6, p)
+    many = sm.draw(wide, mixed, jnp.asarray([5, 1, 2, 3, 4, 5, 5, 7], jnp.int32))
+    assert int(many[6]) == int(one[0])
+    draws = [int(sm.draw(logits, _rows([p]), jnp.asarray([q], jnp.int32))[0]) for q in range(40)]
+    assert len(set(draws)) > 5, "positions draw independently"
+    other = [
+        int(sm.draw(logits, _rows([sm.Sampling(1.0, seed=12)]), jnp.asarray([q], jnp.int32))[0]) for q in range(40)
+    ]
+    assert draws != other
+
+
+def test_the_gumbel_draw_follows_the_processed_softmax():
+    """Over 2e4 positions the draw's frequencies match softmax(l / T) on the allowed set."""
+    logits = jnp.asarray([2.0, 1.5, 1.0, 0.0, -1.0, -3.0], jnp.float32)
+    p = sm.Sampling(temperature=0.7, top_k=5, top_p=0.95, seed=3)
+    n = 20000
+    rows = _rows([p] * n)
+    law = np.asarray(sm.probabilities(logits[None], _rows([p])))[0]
+    got = np.bincount(np.asarray(sm.draw(jnp.tile(logits, (n, 1)), rows, jnp.arange(n, dtype=jnp.int32))), minlength=6)
+    assert got[law == 0].sum() == 0
+    _chi_square_ok(got[law > 0], law[law > 0] * n)
+
+
+def _chi_square_ok(observed: np.ndarray, expected: np.ndarray) -> None:
+    """Pearson's chi-square p-value > 1e-3 (survival function of the chi-square law, by the
+    regularised upper incomplete gamma, jax.scipy)."""
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    dof = observed.size - 1
+    pval = float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
+    assert pval > 1e-3, (stat, dof, pval, observed, expected)
+
+
+def _rejection_law(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Closed form of (accepted drafts, emitted token) over one draft x ~ q[0]: accept x w.p.
+    min(1, p0(x)/q0(x)) and then draw the bonus from p[1]; else draw from norm(max(0, p0 - q0))."""
+    v = p.shape[1]
+    law = np.zeros((2, v))
+    acc = np.minimum(q[0], p[0])  # P(draft x and accepted)
+    law[1] = acc.sum() * p[1]
+    res = np.maximum(p[0] - q[0], 0)
+    law[0] = (1 - acc.sum()) * res / res.sum()
+    return law
+
+
+def test_rejection_sampling_preserves_the_target_law():
+    """One draft: the emitted pair (token at position, token after it when accepted) follows p's
+    law; the first token's marginal is p[0] exactly, acceptance is 1 - TV(p0, q0)."""
+    p = np.asarray([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.3, 0.3, 0.2]], np.float32)
+    q = np.asarray([[0.1, 0.4, 0.2, 0.2, 0.1]], np.float32)
+    n = 200_000
+    seeds = jnp.arange(n, dtype=jnp.int32)
+    drafts = jax.vmap(lambda s: jax.random.categorical(sm.draw_key(s, 0, sm.TAG_DRAFT), jnp.log(q[0])))(seeds)
+    verdict = jax.jit(jax.vmap(lambda d, s: sm.rejection_verdict(p, q, d[None], 1, s, 0)))
+    na, tok = (np.asarray(x) for x in verdict(drafts.astype(jnp.int32), seeds))
+    first = np.where(na == 1, np.asarray(drafts), tok)
+    law = _rejection_law(p, q)
+    observed = np.stack([np.bincount(tok[na == a], minlength=5) for a in (0, 1)]).ravel()
+    nz = law.ravel() > 0
+    assert observed[~nz].sum() == 0
+    _chi_square_ok(observed[nz], law.ravel()[nz] * n)
+    _chi_square_ok(np.bincount(first, minlength=5)[p[0] > 0], p[0][p[0] > 0] * n)
+    tv = 0.5 * np.abs(p[0] - q[0]).sum()
+    assert abs(na.mean() - (1 - tv)) < 4 * np.sqrt(tv * (1 - tv) / n)
+
+
+def test_bad_parameters_are_refused():
+    assert sm.sampling_problems(0.7, 20, 0.9, 0.0, 7) == []
+    for bad in [(-0.1, 0, 1.0, 0.0, 0), (1.0, -1, 1.0, 0.0, 0), (1.0, 0, 0.0, 0.0, 0), (1.0, 0, 1.5, 0.0, 0)]:
+        assert sm.sampling_problems(*bad)
+    assert sm.sampling_problems(1.0, 0, 1.0, 0.0, 1.5) and sm.sampling_problems(1.0, 0, 1.0, 0.0, "7")
+    with pytest.raises(ValueError, match="top-p"):
+        sm.Sampling(top_p=0.0)
+
+
+def test_padded_rows_are_greedy():
+    x = sm.SamplingRows.padded(PoolCounts.__new__(PoolCounts), 3)
+    t, top_p, min_p = x.floats()
+    assert np.asarray(t).tolist() == [0.0] * 3 and np.asarray(top_p).tolist() == [1.0] * 3
+    assert np.asarray(min_p).tolist() == [0.0] * 3
