@@ -6,13 +6,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from conftest import settings
 
 from metrale_jax.engine import sampling as sm
+from metrale_jax.engine.batching import sampling_batch
 from metrale_jax.engine.capacity import PoolCounts
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
+from metrale_jax_cli.generate_cmd import generate
 
 
 def _rows(params: list[sm.Sampling]) -> sm.SamplingRows:
-    return sm.sampling_rows(None, len(params), params)  # type: ignore[arg-type]  # counts unused
+    return sampling_batch(PoolCounts.__new__(PoolCounts), params, len(params))  # the counts fix nothing here
 
 
 def _hf_allowed(scores: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -157,3 +163,99 @@ def test_padded_rows_are_greedy():
     t, top_p, min_p = x.floats()
     assert np.asarray(t).tolist() == [0.0] * 3 and np.asarray(top_p).tolist() == [1.0] * 3
     assert np.asarray(min_p).tolist() == [0.0] * 3
+
+
+# ---------------------------------------------------------------- the engine, on the tiny model
+
+PROMPTS = [[int(x) for x in np.random.default_rng(5).integers(0, 256, size=n)] for n in (9, 17, 30)]
+
+
+@pytest.fixture(scope="module")
+def eng(tiny):
+    cfg, params = tiny
+    return Engine(cfg, params, settings(max_batch_size=8, max_seq_len=160, speculative=True, num_drafts=3))
+
+
+def test_plain_sampling_draws_by_seed_and_position_in_any_slot_and_width(eng):
+    """The same seeds give the same tokens alone (n = 1) and among 8 sequences in other slots;
+    other seeds give other tokens."""
+    p = [sm.Sampling(temperature=0.8, top_p=0.95, seed=s) for s in (7, 8, 9)]
+    alone = [greedy_generate(eng, [pr], 24, sampling=[s])[0] for pr, s in zip(PROMPTS, p)]
+    prompts = [PROMPTS[i % 3] for i in range(8)]
+    mixed = [sm.Sampling(temperature=1.0, top_k=5, seed=100 + i) for i in range(8)]
+    mixed[6], mixed[1], mixed[3] = p
+    wide = greedy_generate(
+        eng, [prompts[i] if i not in (6, 1, 3) else PROMPTS[(6, 1, 3).index(i)] for i in range(8)], 24, sampling=mixed
+    )
+    assert [wide[6], wide[1], wide[3]] == alone
+    other = greedy_generate(eng, PROMPTS[:1], 24, sampling=[sm.Sampling(temperature=0.8, top_p=0.95, seed=70)])
+    assert other[0] != alone[0]
+
+
+def test_temperature_zero_rows_of_a_sampling_program_are_greedy(eng):
+    greedy = greedy_generate(eng, PROMPTS, 24)
+    p = [sm.Sampling(), sm.Sampling(temperature=1.0, seed=1), sm.Sampling(top_k=3, seed=4)]
+    sampled = greedy_generate(eng, PROMPTS, 24, sampling=p)
+    assert sampled[0] == greedy[0] and sampled[2] == greedy[2] and sampled[1] != greedy[1]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gumbel_speculative_sampling_emits_plain_samplings_tokens(eng, fused):
+    """At num_drafts 1..3 and T 0.3 / 0.7 / 1.0, MTP drafts (the coupled drafter) and oracle drafts
+    with planted errors (full and partial accepts) emit exactly plain sampling's tokens."""
+    for t in (0.3, 0.7, 1.0):
+        p = [sm.Sampling(temperature=t, top_p=0.9, seed=10 * i + 3) for i in range(3)]
+        ref = greedy_generate(eng, PROMPTS, 40, sampling=p)
+        for nd in (1, 2, 3):
+            r = speculative_generate(eng, PROMPTS, 40, DraftSchedule(nd), fused=fused, sampling=p)
+            assert r.tokens == ref, (t, nd)
+
+        def oracle(i, toks, n, ref=ref):
+            done = len(toks) - len(PROMPTS[i])
+            d = list(ref[i][done : done + n]) + [0] * n
+            if (done + i) % 3 == 1 and n >= 2:
+                d[1] = (d[1] + 1) % 256
+            return d[: (i % 3) + 1 if n > 1 else n]
+
+        r = speculative_generate(eng, PROMPTS, 40, DraftSchedule(3), draft_source=oracle, fused=fused, sampling=p)
+        assert r.tokens == ref
+        acc = [(a, k) for s in r.steps for a, k in zip(s.accepted, s.ks)]
+        assert any(a == k - 1 and k > 1 for a, k in acc) and any(a < k - 1 for a, k in acc)
+
+
+# ---------------------------------------------------------------- generate's sampling flags
+
+
+def _generate(*args):
+    return CliRunner().invoke(generate, ["--checkpoint", "small", "--prompt", "def f(x):\n    return ", *args])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "-0.5"], "error: temperature -0.5 is negative"),
+        (["--temperature", "0.7", "--top-p", "0"], "error: top-p 0.0 is outside (0, 1]"),
+        (["--temperature", "0.7", "--top-p", "1.5"], "error: top-p 1.5 is outside (0, 1]"),
+        (["--temperature", "0.7", "--top-k", "-1"], "error: top-k -1 is not an integer >= 0"),
+        (["--temperature", "0.7", "--seed", "1.5"], "error: --seed '1.5' is not an integer"),
+        (["--temperature", "hot"], "error: --temperature 'hot' is not a number"),
+        (["--seed", "3"], "error: --seed need(s) --temperature > 0"),
+    ],
+)
+def test_bad_sampling_flags_are_one_error_line(args, message):
+    res = _generate(*args)
+    assert res.exit_code == 2 and res.output.startswith(message), res.output
+    assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+
+
+def test_generate_samples_by_seed_and_speculative_prints_the_same_text():
+    args = ("--max-new-tokens", "20", "--temperature", "0.7", "--top-p", "0.9", "--seed")
+    plain = _generate(*args, "7")
+    assert plain.exit_code == 0, plain.output
+    assert "(plain sampling, sampled: T 0.7, top-p 0.9, seed 7;" in plain.output
+    spec = _generate(*args, "7", "--speculative", "--num-drafts", "3")
+    assert spec.exit_code == 0, spec.output
+    assert "programs compiled after it)" in spec.output and " 0 programs compiled after it" in spec.output
+    body = lambda out: out.split("\n", 1)[1].split("\n\n", 1)[0]  # noqa: E731
+    assert body(spec.output) == body(plain.output)
+    assert body(_generate(*args, "8").output) != body(plain.output)

@@ -79,7 +79,7 @@ def warm_up(engine, request: DiffRequest, progress: Progress) -> float:
     forwards compile as they replay (a kernel forward's programs cost most under the Pallas
     interpreter, and a replay runs fewer of them than the list holds)."""
     engine.set_forward(REFERENCE)
-    return engine.warm_up(progress, diff_programs(engine, request), logits=True)
+    return engine.warm_up(progress, diff_programs(engine, request), logits=True, samples=request.sampling is not None)
 
 
 def run_diff(
@@ -96,6 +96,13 @@ def run_diff(
     request.check()
     request.check_engine(engine)
     variants, skipped = applicable(engine, request.mode, variants)
+    if request.sampling is not None:
+        skipped += [
+            {"name": v.label, "reason": "sampled: the plain-sampling check replaces the oracle"}
+            for v in variants
+            if v.step == "oracle"
+        ]
+        variants = [v for v in variants if v.step != "oracle"]
     unavailable = [*unavailable, *skipped]
     if not variants:
         raise DiffRequestError(
@@ -125,6 +132,7 @@ def run_diff(
                 mtp=r.mtp,
                 progress=progress,
                 single=r.mode == "verify",
+                sampling=r.sampling,
             )
         elif r.mode == "prefill":
             fields, reasons = diff_prefill(
@@ -139,6 +147,7 @@ def run_diff(
         "mode": r.mode,
         "graphs": "jit",
         "steps": r.steps,
+        **({} if r.sampling is None else {"sampling": r.sampling.describe()}),
         "provenance": provenance(engine),
         "variants": disclosed(engine, variants, unavailable),
         **fields,

@@ -62,6 +62,19 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def describe(self) -> str:
+        """The parameters as a report states them ("T 0.7, top-p 0.9, seed 7"; filters that are off left out)."""
+        parts = [f"T {self.temperature:g}"]
+        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        parts += [f"top-p {self.top_p:g}"] if self.top_p < 1.0 else []
+        parts += [f"min-p {self.min_p:g}"] if self.min_p else []
+        return ", ".join([*parts, f"seed {self.seed}"])
+
+
+def per_sequence(sampling: Sampling | None, n: int) -> list[Sampling] | None:
+    """n sequences' parameters from one request's: sequence i draws with seed + i (None: greedy)."""
+    return None if sampling is None else [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(n)]
+
 
 def sampling_problems(temperature, top_k, top_p, min_p, seed) -> list[str]:
     """Why these parameters are refused (empty: accepted): a temperature that is negative or not
@@ -120,14 +133,6 @@ class SamplingRows(HostInput):
         """Inside a program: (temperature, top_p, min_p) [B] float32."""
         f = lambda x: jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.int32), jnp.float32)  # noqa: E731
         return f(self.temperature), f(self.top_p), f(self.min_p)
-
-
-def sampling_rows(counts: PoolCounts, b: int, params: list[Sampling]) -> SamplingRows:
-    """The `SamplingRows` of a batch of width b whose first rows are `params`' (the rest greedy)."""
-    x = SamplingRows.padded(counts, b)
-    for i, s in enumerate(params):
-        x.set_row(i, s)
-    return x
 
 
 def draw_key(seed: jax.Array, position: jax.Array, tag: int) -> jax.Array:
