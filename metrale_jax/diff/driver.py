@@ -96,13 +96,6 @@ def run_diff(
     request.check()
     request.check_engine(engine)
     variants, skipped = applicable(engine, request.mode, variants)
-    if request.sampling is not None:
-        skipped += [
-            {"name": v.label, "reason": "sampled: the plain-sampling check replaces the oracle"}
-            for v in variants
-            if v.step == "oracle"
-        ]
-        variants = [v for v in variants if v.step != "oracle"]
     unavailable = [*unavailable, *skipped]
     if not variants:
         raise DiffRequestError(

@@ -76,10 +76,12 @@ from metrale_jax.engine.speculative import greedy_generate
 
 @dataclasses.dataclass(frozen=True)
 class Logged:
-    """One verify step as the reference ran it: the flat tokens and each sequence's accepts."""
+    """One verify step as the reference ran it: the flat tokens and each sequence's accepts; a
+    sampled reference also logs each sequence's draw after its accepted drafts (`nexts`)."""
 
     tokens: tuple[int, ...]
     accepted: tuple[int, ...]
+    nexts: tuple[int, ...] = ()
 
 
 def run_verify(
@@ -152,7 +154,8 @@ def run_verify(
             parts = _step_parts(logits, proposed)
             if states is not None:
                 states.append([engine.save_sequence_state(q) for q in seqs])
-            out.append(Logged(tuple(int(t) for t in tokens), tuple(na)))
+            nexts = tuple(int(argmax[off[i] + na[i]]) for i in range(n)) if sampling is not None else ()
+            out.append(Logged(tuple(int(t) for t in tokens), tuple(na), nexts))
             run.steps.append(parts)
             run.enqueue_ms.append((t1 - t0) * 1e3)
             run.step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -344,6 +347,7 @@ def diff_verify(
                             fragment=fragment,
                             num_drafts=nd,
                             control=j == 0,
+                            sampling=seeded,
                         )
                         comparisons.append(dataclasses.replace(c, variant=v.label))
                         oracle_control = oracle_control or control
