@@ -1,6 +1,9 @@
 """Token selection (`engine.sampling`): the mask order against HF's warpers on hand-made logits,
 temperature 0 = greedy exactly, keys from (seed, position) only, the Gumbel draw's law, and
-rejection sampling's output law against its closed form (chi-square over 2e5 draws)."""
+rejection sampling's output law against its closed form (chi-square over 2e5 draws); on the tiny
+engine, plain sampling by seed in any slot and width, and gumbel speculative sampling emitting
+plain sampling's tokens (composed and fused); `generate`'s sampling flags; the sampled diff and a
+planted noise bug it catches."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import settings
 
+from metrale_jax.diff import render_summary, run_diff
+from metrale_jax.diff.request import DiffRequest
+from metrale_jax.diff.variants import Variant, default_variants
 from metrale_jax.engine import sampling as sm
+from metrale_jax.engine import transitions as tr
 from metrale_jax.engine.batching import sampling_batch
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.engine import Engine
@@ -259,3 +266,57 @@ def test_generate_samples_by_seed_and_speculative_prints_the_same_text():
     body = lambda out: out.split("\n", 1)[1].split("\n\n", 1)[0]  # noqa: E731
     assert body(spec.output) == body(plain.output)
     assert body(_generate(*args, "8").output) != body(plain.output)
+
+
+# ---------------------------------------------------------------- the diff, sampled
+
+SAMPLED = DiffRequest(
+    steps=3,
+    verify_batch=(2,),
+    verify_batch_ks=(4,),
+    mtp=True,
+    fragment_slots=True,
+    sampling=sm.Sampling(0.7, top_p=0.9, seed=7),
+)
+
+
+def _variants():
+    return [Variant("xla-repeat", "xla"), Variant("fused", "xla", step="fused"), default_variants(["oracle"])[0]]
+
+
+def test_the_sampled_diff_passes_and_its_plain_sampling_control_fires(eng):
+    report = run_diff(eng, SAMPLED, _variants())
+    assert report["verdict"] == "PASS", report["reasons"]
+    (shape,) = report["shapes"]
+    assert shape["plain_sampling"]["ok"] and shape["plain_sampling"]["tokens"] > 6
+    assert not shape["plain_sampling_control"]["ok"], "the control changes a seed: it must see a difference"
+    assert {c["variant"] for c in shape["comparisons"]} == {"xla-repeat", "fused", "oracle"}
+    assert all(c["ok"] for c in shape["comparisons"]) and shape["full_accepts"] and shape["partial_accepts"]
+    assert report["sampling"] == "T 0.7, top-p 0.9, seed 7"
+    assert "plain sampling: " in render_summary(report)
+
+
+def test_a_verify_reading_the_previous_positions_noise_fails_the_sampled_diff(tiny, monkeypatch):
+    """The planted bug: the verify draws row t's token with position p - 1's noise (the decode and
+    the drafter stay right). Replays agree with the buggy reference; plain sampling does not, from
+    the tokens of the first verify on."""
+    real_rows, real_draw = tr.step_rows, tr._draw
+
+    def buggy(pool, params, batch, rows=None, *, static):
+        if not (static.verify and static.samples):
+            return real_rows(pool, params, batch, rows, static=static)
+        monkeypatch.setattr(tr, "_draw", lambda logits, r, seq, pos: real_draw(logits, r, seq, pos - 1))
+        try:
+            return real_rows(pool, params, batch, rows, static=static)
+        finally:
+            monkeypatch.setattr(tr, "_draw", real_draw)
+
+    monkeypatch.setattr(tr, "step_rows", buggy)
+    cfg, params = tiny
+    engine = Engine(cfg, params, settings(max_batch_size=4, max_seq_len=96, speculative=True, num_drafts=3))
+    report = run_diff(engine, SAMPLED, [Variant("xla-repeat", "xla")])
+    (shape,) = report["shapes"]
+    assert report["verdict"] == "FAIL" and not shape["plain_sampling"]["ok"]
+    seq, at = shape["plain_sampling"]["first_mismatch"]
+    assert at <= shape["accepted"][0][seq] + 1, "the first verify's draws already differ"
+    assert any("plain sampling emitted other tokens" in r for r in report["reasons"])

@@ -15,8 +15,8 @@ rows/sequences address the dummy slot, the null block and the dummy verify rows,
 position -1.
 
 Token selection: every token a transition picks (prefill's last row, a decode or verify row, a
-draft) goes through `_select`: the first argmax, or with the static `samples` flag the draw of
-`engine.sampling` at the drawn token's absolute position. With the flag off a program is exactly
+draft) is its first argmax, or with the static `samples` flag its draw (`_draw`, `engine.sampling`)
+at the drawn token's absolute position. With the flag off a program is exactly
 the greedy program (no sampling argument, no sampling op).
 
 Drafter invariant (exact MTP context): every trunk transition also runs the MTP layer over the
@@ -115,14 +115,10 @@ def _live(pool: EnginePool) -> tuple[jax.Array, jax.Array]:
     return h, c
 
 
-def _select(
-    logits: jax.Array, rows: sampling.SamplingRows | None, samples: bool, seq: jax.Array, positions: jax.Array
-) -> jax.Array:
-    """The token of each logits row [R, V]: its first argmax, or with `samples` its draw
-    (`sampling.draw`) with sequence seq [R]'s parameters in `rows` at positions [R] (of the drawn
-    token). Returns [R] int32. The one token-selection point of every transition."""
-    if not samples:
-        return first_argmax(logits)
+def _draw(logits: jax.Array, rows: sampling.SamplingRows | None, seq: jax.Array, positions: jax.Array) -> jax.Array:
+    """The draw of each logits row [R, V] (`sampling.draw`) with sequence seq [R]'s parameters in
+    `rows` at positions [R] (of the drawn token). Returns [R] int32. A sampling program's one
+    token-selection point; a greedy program selects `first_argmax` and traces none of this."""
     assert rows is not None, "a sampling program takes its SamplingRows"
     return sampling.draw(logits, sampling.take(rows, seq), positions)
 
@@ -166,7 +162,7 @@ def prefill_chunk(
     logits = head(params, cfg, last_hidden)
     if not static.samples:
         return logits, pool
-    return logits, _select(logits, rows, True, jnp.zeros((1,), jnp.int32), start + length), pool
+    return logits, _draw(logits, rows, jnp.zeros((1,), jnp.int32), start + length), pool
 
 
 def step_rows(
@@ -209,8 +205,9 @@ def step_rows(
             pool = pool.replace(stash=pool.stash.at[slots].set(_last_rows(hidden, lens)))
     flat = hidden.reshape(b * t, -1)[row_index]
     logits = head(params, cfg, flat)
-    drawn_at = positions.reshape(-1)[row_index] + 1
-    return logits, _select(logits, rows, static.samples, row_index // t, drawn_at), flat, pool
+    if static.samples:
+        return logits, _draw(logits, rows, row_index // t, positions.reshape(-1)[row_index] + 1), flat, pool
+    return logits, first_argmax(logits), flat, pool
 
 
 def _per_layer_select(live: jax.Array, other: jax.Array, slots: jax.Array, mask: jax.Array, index) -> jax.Array:
@@ -319,7 +316,7 @@ def propose(
         io = _pool_io(static, pos, batch.draft_tables, drafter=True)
         hidden, logits, state = mtp_forward(params, cfg, tok, hidden, io, state, j % cfg.num_mtp_layers)
         logits = logits[:, 0]
-        d = _select(logits, rows, static.samples, jnp.arange(last.shape[0]), seq_lens + 1 + j)
+        d = _draw(logits, rows, jnp.arange(last.shape[0]), seq_lens + 1 + j) if static.samples else first_argmax(logits)
         lsm = jax.nn.log_softmax(logits, axis=-1)
         drafts.append(d)
         confs.append(jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0])
