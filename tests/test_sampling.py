@@ -281,7 +281,7 @@ SAMPLED = DiffRequest(
 
 
 def _variants():
-    return [Variant("xla-repeat", "xla"), Variant("fused", "xla", step="fused"), default_variants(["oracle"])[0]]
+    return [Variant("xla-repeat", "xla"), Variant("fused", "xla", step="fused"), *default_variants(["oracle"])[0]]
 
 
 def test_the_sampled_diff_passes_and_its_plain_sampling_control_fires(eng):
