@@ -45,7 +45,7 @@ SPECULATIVE_MODES = ("gumbel", "rejection")
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """One request's sampling parameters (host). temperature 0: greedy; top_k 0, top_p 1.0 and
-    min_p 0.0: that filter off; seed: the request's key (any int64, folded into the uint32 key)."""
+    min_p 0.0: that filter off; seed: the request's key (any integer; its value mod 2**32 keys the draws)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -127,7 +127,7 @@ class SamplingRows(HostInput):
         """Fill row i (host numpy, in place) with `s`."""
         self.temperature[i], self.top_k[i] = _bits(s.temperature), s.top_k
         self.top_p[i], self.min_p[i] = _bits(s.top_p), _bits(s.min_p)
-        self.seed[i] = np.int64(s.seed).astype(np.uint32).view(np.int32)
+        self.seed[i] = np.asarray(int(s.seed) % 2**32, np.uint32).view(np.int32)
 
     def floats(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Inside a program: (temperature, top_p, min_p) [B] float32."""
