@@ -28,6 +28,9 @@ def _rows(params: list[sm.Sampling]) -> sm.SamplingRows:
     return sampling_batch(PoolCounts.__new__(PoolCounts), params, len(params))  # the counts fix nothing here
 
 
+_draw = jax.jit(sm.draw)
+
+
 def _hf_allowed(scores: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """HF's TopK, TopP, MinP warpers (transformers `generation/logits_process.py`) in numpy, in
     `_get_logits_processor`'s order, on logits already divided by the temperature."""
@@ -88,17 +91,16 @@ def test_a_draw_depends_on_seed_and_position_only():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(1, 64)), jnp.float32)
     p = sm.Sampling(temperature=1.0, seed=11)
-    one = sm.draw(logits, _rows([p]), jnp.asarray([5], jnp.int32))
+    one = _draw(logits, _rows([p]), jnp.asarray([5], jnp.int32))
     wide = jnp.tile(logits, (8, 1))
     mixed = _rows([sm.Sampling(temperature=0.5, seed=i) for i in range(8)])
     mixed.set_row(6, p)
-    many = sm.draw(wide, mixed, jnp.asarray([5, 1, 2, 3, 4, 5, 5, 7], jnp.int32))
+    many = _draw(wide, mixed, jnp.asarray([5, 1, 2, 3, 4, 5, 5, 7], jnp.int32))
     assert int(many[6]) == int(one[0])
-    draws = [int(sm.draw(logits, _rows([p]), jnp.asarray([q], jnp.int32))[0]) for q in range(40)]
+    at = jnp.arange(40, dtype=jnp.int32)
+    draws = np.asarray(_draw(jnp.tile(logits, (40, 1)), _rows([p] * 40), at)).tolist()
     assert len(set(draws)) > 5, "positions draw independently"
-    other = [
-        int(sm.draw(logits, _rows([sm.Sampling(1.0, seed=12)]), jnp.asarray([q], jnp.int32))[0]) for q in range(40)
-    ]
+    other = np.asarray(_draw(jnp.tile(logits, (40, 1)), _rows([sm.Sampling(1.0, seed=12)] * 40), at)).tolist()
     assert draws != other
 
 
