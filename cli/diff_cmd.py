@@ -39,6 +39,7 @@ from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli.errors import UsageError, user_errors
 from metrale_jax_cli.model_toml import load_behavior
 from metrale_jax_cli.output import OutputFile
+from metrale_jax_cli.sampling_flags import parse_sampling, sampling_options
 from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
 SIZED_RULE = "diff: sized to what this diff runs"
@@ -101,6 +102,7 @@ def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> Eng
     "--forwards", help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}]."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the summary.")
+@sampling_options
 @serve_options
 @click.pass_context
 @user_errors
@@ -122,6 +124,11 @@ def diff(
     swap,
     forwards,
     as_json,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    seed,
     **serve,
 ):
     """Run the engine's reference forward (xla), replay its exact inputs under every other
@@ -140,6 +147,7 @@ def diff(
         prefill=_ints("--prefill", prefill),
         prefill_chunk=_ints("--prefill-chunk", prefill_chunk),
         swap=swap,
+        sampling=parse_sampling(temperature, top_k, top_p, min_p, seed),
     )
     request.check()
     sink = OutputFile(out)

@@ -8,7 +8,8 @@ Owns only argument handling, the request's up-front checks and printing; the dec
 
 Invariants:
 - The printed continuation is the same with and without `--speculative`, with the fused or the
-  composed step (greedy).
+  composed step, greedy or sampled with a `--seed` (gumbel speculative sampling); the sampling
+  flags are `sampling_flags`'.
 - Every user error prints `error: ...` lines on stderr and exits 2. A request that cannot fit is
   refused before the engine allocates: a `--max-seq-len` under what the request reaches, or an
   engine pool (the planner's `serve_pools`: its exact buffers) over what the device can still
@@ -57,6 +58,7 @@ from metrale_jax.presets import PRESETS, resolve_checkpoint
 from metrale_jax.research import ScheduleRun
 from metrale_jax.tokenizer import HFTokenizer, Tokenizer, stop_ids, tokenizer_for
 from metrale_jax_cli.errors import UsageError, user_errors
+from metrale_jax_cli.sampling_flags import parse_sampling, sampling_options
 from metrale_jax_cli.serve_flags import pop_serve_raw, serve_options
 
 
@@ -126,12 +128,33 @@ def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
     "the composed transitions (the default under replay rollback).",
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@sampling_options
 @serve_options
 @click.pass_context
 @user_errors
-def generate(ctx, checkpoint, prompt, chat, system, thinking, max_new_tokens, confidence_stop, step, dtype, **kwargs):
-    """Continue PROMPT greedily and print the text; with --speculative (e.g. --num-drafts 3) the
-    MTP head drafts and each verify checks its drafts, and the acceptance statistics follow."""
+def generate(
+    ctx,
+    checkpoint,
+    prompt,
+    chat,
+    system,
+    thinking,
+    max_new_tokens,
+    confidence_stop,
+    step,
+    dtype,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    seed,
+    **kwargs,
+):
+    """Continue PROMPT greedily (or sampled: --temperature, --seed) and print the text; with
+    --speculative (e.g. --num-drafts 3) the MTP head drafts and each verify checks its drafts
+    (sampled: gumbel speculative sampling, the same tokens as plain sampling with the seed), and
+    the acceptance statistics follow."""
+    sampling = parse_sampling(temperature, top_k, top_p, min_p, seed)
     raw = pop_serve_raw(ctx, kwargs)
     if (system is not None or thinking is not None) and not chat:
         raise UsageError(("--system" if system is not None else "--thinking/--no-thinking") + " needs --chat")
@@ -186,26 +209,36 @@ def generate(ctx, checkpoint, prompt, chat, system, thinking, max_new_tokens, co
     run = None
     try:
         path = step if settings.speculative else "greedy"
-        warm_seconds = engine.warm_up(bar, generation_programs(engine.counts, [len(ids)], path))
+        keep = generation_programs(engine.counts, [len(ids)], path)
+        warm_seconds = engine.warm_up(bar, keep, samples=sampling is not None)
         warmed = engine.programs.compilations
         bar.section("generate", max_new_tokens)
         clock = StepClock(engine.programs, bar.advance)
         if settings.speculative:
             schedule = DraftSchedule(settings.num_drafts, settings.k_ladder, confidence_stop)
             res = speculative_generate(
-                engine, [ids], max_new_tokens, schedule, fused=step == "fused", progress=clock, stop_ids=stops
+                engine,
+                [ids],
+                max_new_tokens,
+                schedule,
+                fused=step == "fused",
+                progress=clock,
+                sampling=sampling,
+                stop_ids=stops,
             )
             run = ScheduleRun.from_generations(schedule, 1, max_new_tokens, [([0], res)])
             out = res.tokens[0]
         else:
-            out = greedy_generate(engine, [ids], max_new_tokens, progress=clock, stop_ids=stops)[0]
+            out = greedy_generate(engine, [ids], max_new_tokens, progress=clock, sampling=sampling, stop_ids=stops)[0]
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
+    how = "" if sampling is None else f", sampled: {sampling.describe()}"
     mode = (
-        f"speculative, {step} step, up to {settings.num_drafts} MTP draft(s) per verify"
+        f"speculative, {step} step, up to {settings.num_drafts} MTP draft(s) per verify{how}"
         if run
-        else "plain greedy; add --speculative --num-drafts 3 to see the drafter"
+        else f"plain {'greedy' if sampling is None else 'sampling'}{how}; add --speculative --num-drafts 3 to see "
+        "the drafter"
     )
     ended = " (ended at EOS)" if out and out[-1] in stops else ""
     click.echo(f"{checkpoint}: {len(ids)} prompt tokens, {len(out)} generated{ended} ({mode})")

@@ -121,6 +121,15 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("test_forward_select.py", SLOW),
     Rule("test_speculative.py", SLOW),
+    Rule(
+        "test_sampling.py",
+        SLOW,
+        only=(
+            "test_generate_samples_by_seed_and_speculative_prints_the_same_text",
+            "test_a_verify_reading_the_previous_positions_noise_fails_the_sampled_diff",
+        ),
+        uses=("eng",),
+    ),
     Rule("test_sharding_lowering.py", SLOW),
     Rule(
         "test_sharding.py",

@@ -79,7 +79,7 @@ def warm_up(engine, request: DiffRequest, progress: Progress) -> float:
     forwards compile as they replay (a kernel forward's programs cost most under the Pallas
     interpreter, and a replay runs fewer of them than the list holds)."""
     engine.set_forward(REFERENCE)
-    return engine.warm_up(progress, diff_programs(engine, request), logits=True)
+    return engine.warm_up(progress, diff_programs(engine, request), logits=True, samples=request.sampling is not None)
 
 
 def run_diff(
@@ -125,6 +125,7 @@ def run_diff(
                 mtp=r.mtp,
                 progress=progress,
                 single=r.mode == "verify",
+                sampling=r.sampling,
             )
         elif r.mode == "prefill":
             fields, reasons = diff_prefill(
@@ -139,6 +140,7 @@ def run_diff(
         "mode": r.mode,
         "graphs": "jit",
         "steps": r.steps,
+        **({} if r.sampling is None else {"sampling": r.sampling.describe()}),
         "provenance": provenance(engine),
         "variants": disclosed(engine, variants, unavailable),
         **fields,

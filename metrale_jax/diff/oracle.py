@@ -48,6 +48,7 @@ from metrale_jax.diff.compare import Comparison, Contract, Part, Recording, boun
 from metrale_jax.diff.schedule import offsets
 from metrale_jax.diff.slot_layout import SequenceBatch
 from metrale_jax.diff.state import state_parts
+from metrale_jax.engine.sampling import Sampling
 
 #: The oracle variant's label (and its engine forward is the reference's).
 ORACLE = "oracle"
@@ -84,12 +85,12 @@ class Committed:
 
 def committed_steps(log, run: Recording, ks: Sequence[int]) -> list[Committed]:
     """The reference's committed tokens per step, from its `verify.Logged` steps and its run
-    (part 0 of a step: the flat verify logits)."""
+    (part 0 of a step: the flat verify logits; a sampled step's next tokens are its logged draws)."""
     off, out = offsets(ks), []
     for logged, parts in zip(log, run.steps):
         argmax = parts[0].data.argmax(axis=1)
         rows = [logged.tokens[off[i] : off[i] + a + 1] for i, a in enumerate(logged.accepted)]
-        nexts = [int(argmax[off[i] + a]) for i, a in enumerate(logged.accepted)]
+        nexts = list(logged.nexts) or [int(argmax[off[i] + a]) for i, a in enumerate(logged.accepted)]
         out.append(Committed(tuple(tuple(r) for r in rows), tuple(nexts)))
     return out
 
@@ -120,9 +121,11 @@ def run_oracle(
     *,
     fragment: bool = False,
     num_drafts: int | None = None,
+    sampling: Sequence[Sampling] | None = None,
 ) -> Recording:
     """The plain-path replay of `steps` for prompts `rows` (module docstring), in the slot layout
-    of the reference (`SequenceBatch`): a `Recording` shaped like `committed_view`'s."""
+    of the reference (`SequenceBatch`): a `Recording` shaped like `committed_view`'s. `sampling`
+    (per sequence): the propose drafts with the coupled drafter, as the sampled reference's."""
     cfg, n = engine.cfg, len(rows)
     with SequenceBatch(engine, n, fragment) as batch:
         seqs = batch.seqs
@@ -140,7 +143,7 @@ def run_oracle(
                     logits[i].append(row)
             tail = []
             if num_drafts:
-                drafts, conf, draft_logits = engine.propose_batched(seqs, list(c.nexts), num_drafts)
+                drafts, conf, draft_logits = engine.propose_batched(seqs, list(c.nexts), num_drafts, sampling)
                 for q in seqs:
                     # NOTE: the oracle states the drafter's context itself (the committed tokens;
                     # the propose wrote its last row) instead of calling the engine's trim.
@@ -185,17 +188,23 @@ def oracle_comparison(
     fragment: bool,
     num_drafts: int | None,
     control: bool = True,
+    sampling: Sequence[Sampling] | None = None,
 ) -> tuple[Comparison, Comparison | None, int]:
     """(the oracle against the reference's committed view under `contract`, with `control` its
-    control (else None), the control's step)."""
+    control (else None), the control's step); `sampling` as `run_oracle`'s."""
     steps = committed_steps(log, ref, ks)
     view = committed_view(engine.cfg, ref, log, ks, states, bool(num_drafts))
-    run = run_oracle(engine, rows, steps, fragment=fragment, num_drafts=num_drafts)
+    run = run_oracle(engine, rows, steps, fragment=fragment, num_drafts=num_drafts, sampling=sampling)
     at, seq = len(steps) // 2, len(rows) // 2
     if not control:
         return compare(ORACLE, view, run, contract), None, at
     changed = run_oracle(
-        engine, rows, changed_commit(steps, at, seq, engine.cfg.vocab_size), fragment=fragment, num_drafts=num_drafts
+        engine,
+        rows,
+        changed_commit(steps, at, seq, engine.cfg.vocab_size),
+        fragment=fragment,
+        num_drafts=num_drafts,
+        sampling=sampling,
     )
     label = f"{ORACLE}, sequence {seq}'s committed token changed (step {at})"
     return compare(ORACLE, view, run, contract), compare(label, view, changed, contract), at

@@ -151,6 +151,7 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
                     s["detection_control"],
                     _control(s.get("fused_detection_control"))
                     + _control(s.get("oracle_detection_control"))
+                    + _plain_sampling(s)
                     + [f"  accepted drafts histogram: {hist} {counts}"],
                 )
             )
@@ -197,6 +198,19 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
     return out
 
 
+def _plain_sampling(section: dict) -> list[str]:
+    """A sampled verify shape's plain-sampling check and its control, one line each (none unsampled)."""
+    if "plain_sampling" not in section:
+        return []
+    check, control = section["plain_sampling"], section["plain_sampling_control"]
+    at = check["first_mismatch"]
+    return [
+        f"  plain sampling: {check['tokens']} committed tokens "
+        + ("equal" if check["ok"] else f"DIFFER from (sequence, token) {at}"),
+        f"  control {control['label']}: {'BLIND' if control['ok'] else 'fired'}",
+    ]
+
+
 def _warm_up(report: dict) -> str:
     """The verdict line's warm-up clause: its seconds and the programs compiled after it."""
     if "warmup_s" not in report:
@@ -207,7 +221,8 @@ def _warm_up(report: dict) -> str:
 def render_summary(report: dict) -> str:
     """The human summary of `report` (see the module docstring)."""
     variants = ", ".join(v["name"] + ("" if v.get("available", True) else " (unavailable)") for v in report["variants"])
-    lines = [f"metrale-jax diff: {report['mode']}, {report['steps']} steps, {report['graphs']}; variants: {variants}"]
+    how = report["graphs"] + (f", sampled ({report['sampling']})" if "sampling" in report else "")
+    lines = [f"metrale-jax diff: {report['mode']}, {report['steps']} steps, {how}; variants: {variants}"]
     lines += [f"  unavailable: {v['name']}: {v['reason']}" for v in report["variants"] if not v.get("available", True)]
     for w in report.get("drafter_warmup", []):
         if w["discarded_run"]:

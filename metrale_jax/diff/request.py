@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from metrale_jax.diff.schedule import slot_of
+from metrale_jax.engine.sampling import Sampling
 from metrale_jax.errors import MetraleError
 
 #: `--prefill`'s cached leg runs for prompts of at least this many tokens, with a tail this long.
@@ -44,6 +45,7 @@ class DiffRequest:
     prefill: tuple[int, ...] = ()
     prefill_chunk: tuple[int, ...] = ()
     swap: bool = False
+    sampling: Sampling | None = None  # --temperature ... --seed: the verify modes sample (None: greedy)
 
     def _modes_given(self) -> list[str]:
         """The non-default modes whose flag (`--<mode>`, the field of the same name) is set, in `MODES` order."""
@@ -80,6 +82,10 @@ class DiffRequest:
                 "--fragment-slots applies to --batch or --verify-batch",
             ),
             (bool(self.prefill_chunk) and not self.prefill, "--prefill-chunk needs --prefill"),
+            (
+                self.sampling is not None and not self.ks,
+                "--temperature samples the verify modes' tokens: give --verify or --verify-batch",
+            ),
             (
                 self.swap and self.steps < 4,
                 f"--swap needs at least 4 steps (two each side of the spill), got {self.steps}",

@@ -32,6 +32,12 @@ Invariants:
 - With the drafter, two identical one-step reference runs go first at each width: the drafter's
   state is a pure function of the steps, so the two must agree; `drafter_warmup` reports
   whether they did (a disagreement reports one run as discarded).
+- Sampled (`--temperature`, sequence i seeded seed + i, `sampling.per_sequence`): the reference's
+  drafts come from plain sampling's continuation (`greedy_generate` with the seeds), its verify
+  draws and accepts on the draws (gumbel speculative sampling) and its propose drafts with the
+  coupled drafter; every replay passes the same parameters. The `plain sampling` check: each
+  sequence's committed tokens equal plain sampling's, token for token; its control runs plain
+  sampling with sequence n // 2's seed changed and must see a difference.
 """
 
 from __future__ import annotations
@@ -63,15 +69,19 @@ from metrale_jax.diff.schedule import (
 from metrale_jax.diff.slot_layout import SequenceBatch
 from metrale_jax.diff.state import pool_parts
 from metrale_jax.diff.variants import REFERENCE, Variant, selected
+from metrale_jax.engine.sampling import Sampling, per_sequence
 from metrale_jax.engine.speculative import accepted_drafts as accepted
+from metrale_jax.engine.speculative import greedy_generate
 
 
 @dataclasses.dataclass(frozen=True)
 class Logged:
-    """One verify step as the reference ran it: the flat tokens and each sequence's accepts."""
+    """One verify step as the reference ran it: the flat tokens and each sequence's accepts; a
+    sampled reference also logs each sequence's draw after its accepted drafts (`nexts`)."""
 
     tokens: tuple[int, ...]
     accepted: tuple[int, ...]
+    nexts: tuple[int, ...] = ()
 
 
 def run_verify(
@@ -86,12 +96,15 @@ def run_verify(
     num_drafts: int | None = None,
     states: list | None = None,
     progress: Progress = SILENT,
+    sampling: Sequence[Sampling] | None = None,
 ) -> tuple[list[Logged], Recording]:
     """One run of `steps` verify steps of `rows` at widths `ks` (see the module docstring).
     Exactly one of `greedy` (reference: drafts from each row's greedy continuation, accepts
     from the verify's argmax) and `log` (replay) is given; `num_drafts` turns the drafter on.
     `states`, when given, gets each sequence's `save_sequence_state` record after the prefill
-    and after every step (for the oracle; reading the state changes nothing)."""
+    and after every step (for the oracle; reading the state changes nothing). `sampling` (per
+    sequence): the verify draws and the propose drafts with the coupled drafter; the reference's
+    first token is then `greedy`'s (plain sampling's draw after the same prompt)."""
     if (greedy is None) == (log is None):
         raise ValueError("run_verify needs exactly one of greedy and log")
     vocab, n, off = engine.cfg.vocab_size, len(rows), offsets(ks)
@@ -102,6 +115,8 @@ def run_verify(
         first = batch.prefill(rows)
         run.prefill = [Part("logits", first, "logits")]
         last = [int(x) for x in first.argmax(axis=1)]
+        if sampling is not None and greedy is not None:
+            last = [int(g[0]) for g in greedy]
         pos = [0] * n
         if states is not None:
             states.append([engine.save_sequence_state(q) for q in seqs])
@@ -117,7 +132,7 @@ def run_verify(
                 assert greedy is not None  # exactly one of greedy and log (checked above)
                 tokens = [t for i in range(n) for t in [last[i], *step_drafts(greedy[i], pos[i], s + i, ks[i], vocab)]]
             t0 = time.perf_counter()
-            logits, argmax = engine.verify_batched(seqs, tokens, ks)
+            logits, argmax = engine.verify_batched(seqs, tokens, ks, sampling)
             t1 = time.perf_counter()
             na = (
                 list(log[s].accepted)
@@ -133,13 +148,14 @@ def run_verify(
                 pos[i] += na[i] + 1
             proposed = None
             if num_drafts:
-                proposed = engine.propose_batched(seqs, last, num_drafts)
+                proposed = engine.propose_batched(seqs, last, num_drafts, sampling)
                 for seq in seqs:
                     engine.trim_proposer(seq, 0)
             parts = _step_parts(logits, proposed)
             if states is not None:
                 states.append([engine.save_sequence_state(q) for q in seqs])
-            out.append(Logged(tuple(int(t) for t in tokens), tuple(na)))
+            nexts = tuple(int(argmax[off[i] + na[i]]) for i in range(n)) if sampling is not None else ()
+            out.append(Logged(tuple(int(t) for t in tokens), tuple(na), nexts))
             run.steps.append(parts)
             run.enqueue_ms.append((t1 - t0) * 1e3)
             run.step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -157,10 +173,11 @@ def run_fused(
     num_drafts: int | None = None,
     changed: tuple[int, int] | None = None,
     progress: Progress = SILENT,
+    sampling: Sequence[Sampling] | None = None,
 ) -> tuple[Recording, Recording]:
     """The fused step in lock-step with the composed one over the reference's `log` (see the
     module docstring): (composed run, fused run). `changed` = (step, flat row): the fused side of
-    that step verifies that row's token bumped by one (the control)."""
+    that step verifies that row's token bumped by one (the control). `sampling`: as `run_verify`'s."""
     n, off, nd = len(rows), offsets(ks), num_drafts or 0
     composed, fused = Recording(prefill=[]), Recording(prefill=[])
     with SequenceBatch(engine, n, fragment) as batch:
@@ -173,12 +190,12 @@ def run_fused(
             pool = jax.tree_util.tree_map(lambda x: x.copy(), engine.pool)
             host = [(q.seq_len, list(q.tokens), q.drafter_len, q.last_num_drafted) for q in seqs]
             t0 = time.perf_counter()
-            logits, argmax = engine.verify_batched(seqs, tokens, ks)
+            logits, argmax = engine.verify_batched(seqs, tokens, ks, sampling)
             engine.accept(seqs, na)
             emitted = [int(argmax[off[i] + j]) for i in range(n) for j in range(na[i] + 1)]
             proposed = None
             if nd:
-                proposed = engine.propose_batched(seqs, [int(argmax[off[i] + na[i]]) for i in range(n)], nd)
+                proposed = engine.propose_batched(seqs, [int(argmax[off[i] + na[i]]) for i in range(n)], nd, sampling)
                 for seq in seqs:
                     engine.trim_proposer(seq, 0)
             parts = _step_parts(logits, proposed)
@@ -190,7 +207,7 @@ def run_fused(
             if changed is not None and changed[0] == s:
                 tokens[changed[1]] = (tokens[changed[1]] + 1) % engine.cfg.vocab_size
             t0 = time.perf_counter()
-            out = engine.speculative_step(seqs, tokens, ks, nd, logits=True)
+            out = engine.speculative_step(seqs, tokens, ks, nd, logits=True, sampling=sampling)
             fused.step_ms.append((time.perf_counter() - t0) * 1e3)
             parts = _step_parts(out.verify_logits, (out.drafts, out.confidences, out.draft_logits) if nd else None)
             emitted = [t for e in out.emitted for t in e]
@@ -222,6 +239,23 @@ def _outcome(engine, seqs, accepted: Sequence[int], emitted: Sequence[int]) -> l
         Part("seq_len, drafter_len", lengths, "tokens"),
         *pool_parts(engine.pool),
     ]
+
+
+def committed_streams(log: Sequence[Logged], ks: Sequence[int]) -> list[list[int]]:
+    """Each sequence's committed tokens in a verify log: per step its anchor and accepted drafts."""
+    off = offsets(ks)
+    return [[t for x in log for t in x.tokens[off[i] : off[i] + x.accepted[i] + 1]] for i in range(len(ks))]
+
+
+def plain_sampling_check(label: str, streams: Sequence[Sequence[int]], plain: Sequence[Sequence[int]]) -> dict:
+    """Whether each sequence's committed tokens are plain sampling's (`plain`: its continuation
+    of the same prompts and seeds): {label, ok, tokens compared, first_mismatch (sequence,
+    index) or None}."""
+    first = next(
+        ([i, j] for i, (a, b) in enumerate(zip(streams, plain)) for j, (x, y) in enumerate(zip(a, b)) if x != y),
+        None,
+    )
+    return {"label": label, "ok": first is None, "tokens": sum(map(len, streams)), "first_mismatch": first}
 
 
 def _changed(log: Sequence[Logged], at: int, row: int, vocab: int) -> list[Logged]:
@@ -262,13 +296,23 @@ def diff_verify(
     mtp: bool,
     progress: Progress,
     single: bool,
+    sampling: Sampling | None = None,
 ):
-    """`--verify` (single) or `--verify-batch`. Returns (report fields, reasons)."""
+    """`--verify` (single) or `--verify-batch`; with `sampling` sampled (module docstring).
+    Returns (report fields, reasons)."""
     nd = engine.settings.num_drafts if mtp else None
     sections, warmups, reasons = [], [], []
     for rows, shapes in plan:
         n = len(rows)
-        greedy = run_decode(engine, rows, steps * max(max(s) for s in shapes)).tokens
+        length = steps * max(max(s) for s in shapes)
+        seeded = per_sequence(sampling, n)
+        if seeded is None:
+            greedy = run_decode(engine, rows, length).tokens
+        else:
+            greedy = greedy_generate(engine, rows, length + 1, sampling=seeded)
+            other = list(seeded)
+            other[n // 2] = dataclasses.replace(other[n // 2], seed=other[n // 2].seed + 1000)
+            reseeded = greedy_generate(engine, rows, length + 1, sampling=other)
         for j, ks in enumerate(shapes):
             where = f"verify K={ks[0]}" if single else f"verify-batch n={n} ks={ks}"
             probe = mtp and j == 0
@@ -277,7 +321,7 @@ def diff_verify(
             progress.section(where, (len(variants) + 2 + bool(fused) + bool(oracles)) * (steps + 1) + 4 * probe)
 
             verify = functools.partial(
-                run_verify, engine, rows, ks, fragment=fragment, num_drafts=nd, progress=progress
+                run_verify, engine, rows, ks, fragment=fragment, num_drafts=nd, progress=progress, sampling=seeded
             )
             if probe:
                 equal = compare(
@@ -303,13 +347,22 @@ def diff_verify(
                             fragment=fragment,
                             num_drafts=nd,
                             control=j == 0,
+                            sampling=seeded,
                         )
                         comparisons.append(dataclasses.replace(c, variant=v.label))
                         oracle_control = oracle_control or control
                         progress.advance((1 + (j == 0)) * (steps + 1))
                     elif v.step == "fused":
                         lockstep = functools.partial(
-                            run_fused, engine, rows, ks, log, fragment=fragment, num_drafts=nd, progress=progress
+                            run_fused,
+                            engine,
+                            rows,
+                            ks,
+                            log,
+                            fragment=fragment,
+                            num_drafts=nd,
+                            progress=progress,
+                            sampling=seeded,
                         )
                         a, b = lockstep()
                         comparisons.append(compare(v.label, a, b, v.contract))
@@ -341,6 +394,20 @@ def diff_verify(
                 )
             if full == 0 or partial == 0:
                 reasons.append(f"{where}: {full} full and {partial} partial accepts; it needs both")
+            plain = None
+            if seeded is not None:
+                streams = committed_streams(log, ks)
+                plain = [
+                    plain_sampling_check("plain sampling", streams, greedy),
+                    plain_sampling_check(f"plain sampling, sequence {n // 2}'s seed changed", streams, reseeded),
+                ]
+                if not plain[0]["ok"]:
+                    reasons.append(
+                        f"{where}: plain sampling emitted other tokens than the speculative reference "
+                        f"(sequence, token) {plain[0]['first_mismatch']}"
+                    )
+                if plain[1]["ok"]:
+                    reasons.append(f"{where}: the plain-sampling control saw no difference after changing a seed")
             section = {
                 "rows": n,
                 "ks": list(ks),
@@ -356,6 +423,8 @@ def diff_verify(
                 section["fused_detection_control"] = fused_control.to_json()
             if oracle_control is not None:
                 section["oracle_detection_control"] = oracle_control.to_json()
+            if plain is not None:
+                section["plain_sampling"], section["plain_sampling_control"] = plain
             sections.append({"k": ks[0], **section} if single else section)
     fields = (
         {"mtp": mtp, "verify": sections} if single else {"fragment_slots": fragment, "drafter": mtp, "shapes": sections}

@@ -1,7 +1,8 @@
 """Batch assembly: each compiled program's input, filled from the host's sequences.
 
 Owns one pure function per program input the engine builds (`step_batch`, `prefill_chunk`,
-`propose_batch`, `verdict_batch`, `stash_batch`, `sequence_address`, `snapshot_copy`) and
+`propose_batch`, `verdict_batch`, `stash_batch`, `sequence_address`, `snapshot_copy`,
+`sampling_batch`) and
 `prefill_bounds`, where a prefill splits into programs. Each takes the pool counts and the
 sequences (with their rows), starts from the input's `X.padded` constructor (`engine.inputs`) at
 the batch's width bucket, and fills in only the real rows; none reads or changes anything else.
@@ -30,6 +31,7 @@ from metrale_jax.engine.inputs import (
     StepBatch,
     VerdictBatch,
 )
+from metrale_jax.engine.sampling import Sampling, SamplingRows
 from metrale_jax.engine.sequences import EngineError, SequenceState
 
 
@@ -143,4 +145,13 @@ def snapshot_copy(counts: PoolCounts, seq: SequenceState, snap_slot: int, positi
     x.slot[...], x.snap[...] = seq.slot, snap_slot
     if counts.drafter:
         x.draft_block[...] = seq.draft_blocks[(position - 1) // counts.draft_block_size]
+    return x
+
+
+def sampling_batch(counts: PoolCounts, params: Sequence[Sampling], width: int | None = None) -> SamplingRows:
+    """The `SamplingRows` of a batch of len(params) sequences (their parameters, in batch order) at
+    its width bucket (`width`: a given width, e.g. a prefill's 1); padding rows are greedy."""
+    x = SamplingRows.padded(counts, bucket_width(len(params)) if width is None else width)
+    for i, s in enumerate(params):
+        x.set_row(i, s)
     return x

@@ -21,6 +21,9 @@ Invariants:
 - `speculative_step` is one scheduler step (verify, acceptance, verdict, propose) as one compiled
   program and one device-to-host transfer; it leaves no verify awaiting a verdict.
 - Every device-to-host transfer goes through `_fetch`.
+- Token selection: a call given `sampling` (one `engine.sampling.Sampling` per sequence) runs the
+  sampling twin of its program (`samples` static flag) and its tokens are draws; without it, the
+  greedy program of today.
 - Every program input is built by `engine.batching` from its `engine.inputs` constructor; every
   count and width comes from `capacity`.
 - Prefix caching (`--enable-prefix-caching`, sequences allocated with a namespace): a fresh
@@ -54,6 +57,7 @@ from metrale_jax.engine.placement import place_params, reshard
 from metrale_jax.engine.prefix_cache import Hit
 from metrale_jax.engine.program_list import Program, Sections, serve_programs, warm_up
 from metrale_jax.engine.programs import ProgramCache
+from metrale_jax.engine.sampling import Sampling, SamplingRows
 from metrale_jax.engine.sequences import EngineError, SequenceState
 from metrale_jax.engine.settings import EngineSettings, unsupported
 from metrale_jax.engine.sharding import allocate_sharded_pool, make_mesh
@@ -176,6 +180,20 @@ class Engine(VerdictProtocol):
         A namespaced fresh sequence first restores the longest cached prefix (`seq.restored_at`,
         0 when it computed everything); a namespaced prefill caches its full blocks and takes a
         snapshot at every block-aligned program end (module docstring)."""
+        return self._prefill(seq, tokens, chunk, None)[0]
+
+    def prefill_sampled(
+        self, seq: SequenceState, tokens: Sequence[int], sampling: Sampling, chunk: int | None = None
+    ) -> tuple[np.ndarray, int]:
+        """`prefill` with the next token drawn on the device (`sampling`'s draw at the position
+        after the prompt). Returns (the last position's logits [V] f32, the drawn token)."""
+        logits, token = self._prefill(seq, tokens, chunk, sampling)
+        assert token is not None
+        return logits, token
+
+    def _prefill(
+        self, seq: SequenceState, tokens: Sequence[int], chunk: int | None, sampling: Sampling | None
+    ) -> tuple[np.ndarray, int | None]:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise EngineError("prefill of zero tokens")
@@ -191,12 +209,15 @@ class Engine(VerdictProtocol):
             self.blocks.reserve([seq], [seq.seq_len + len(tokens) + 1])
         if fresh:
             seq.restored_at = hit.snapshot.position if hit is not None else 0
-        static = PrefillStatic(self.cfg, self.counts, self.ops, drafter=self.drafter)
+        static = PrefillStatic(self.cfg, self.counts, self.ops, drafter=self.drafter, samples=sampling is not None)
+        rows = () if sampling is None else (batching.sampling_batch(self.counts, [sampling], 1),)
         bounds = batching.prefill_bounds(self.counts.block_size, seq.seq_len, len(tokens), chunk, cached, branch)
         for off, end in bounds:
             part = tokens[off:end]
             x = batching.prefill_chunk(self.counts, seq, part)
-            logits, self.pool = self.programs.run("prefill_chunk", tr.prefill_chunk, static, self.pool, self.params, x)
+            *out, self.pool = self.programs.run(
+                "prefill_chunk", tr.prefill_chunk, static, self.pool, self.params, x, *rows
+            )
             seq.seq_len += len(part)
             seq.tokens += part
             snap = self.blocks.cache(seq) if cached else None
@@ -204,7 +225,7 @@ class Engine(VerdictProtocol):
                 copy = batching.snapshot_copy(self.counts, seq, snap.slot, seq.seq_len)
                 self.pool = self.programs.run("take_snapshot", tr.take_snapshot, None, self.pool, copy)
         seq.drafter_len = seq.seq_len - 1
-        return self._fetch(logits)[0]
+        return self._fetch(out[0])[0], (int(self._fetch(out[1])[0]) if sampling is not None else None)
 
     def _restore_prefix(self, seq: SequenceState, hit: Hit, tokens: list[int]) -> None:
         """Restore `hit` (a prefix of `tokens`) into fresh `seq`: share its blocks and reserve the
@@ -232,13 +253,17 @@ class Engine(VerdictProtocol):
         tokens_per_seq: Sequence[Sequence[int]],
         verify: bool,
         starts: Sequence[int] | None = None,
+        sampling: Sequence[Sampling] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run `step_rows` for seqs with ragged rows at positions starts[i].. (default: their
-        lengths, which then grow by the rows); returns (logits [R, V], argmax [R]) numpy."""
+        lengths, which then grow by the rows); returns (logits [R, V], tokens [R]) numpy: each
+        row's argmax, or with `sampling` (per sequence) its draw."""
         batch, r = batching.step_batch(self.counts, seqs, tokens_per_seq, verify, starts)
-        static = StepStatic(self.cfg, self.counts, self.ops, verify=verify, drafter=self.drafter)
+        static = StepStatic(
+            self.cfg, self.counts, self.ops, verify=verify, drafter=self.drafter, samples=sampling is not None
+        )
         logits, argmax, hidden, self.pool = self.programs.run(
-            "step_rows", tr.step_rows, static, self.pool, self.params, batch
+            "step_rows", tr.step_rows, static, self.pool, self.params, batch, *self._sampling_rows(seqs, sampling)
         )
         if starts is None:
             if verify:
@@ -248,16 +273,38 @@ class Engine(VerdictProtocol):
                 s.tokens += [int(x) for x in rows]
         return self._fetch(logits)[:r], self._fetch(argmax)[:r]
 
+    def _sampling_rows(
+        self, seqs: Sequence[SequenceState], sampling: Sequence[Sampling] | None
+    ) -> tuple[SamplingRows, ...]:
+        """The sampling argument of a program over `seqs`: none without `sampling`, else its rows."""
+        if sampling is None:
+            return ()
+        if len(sampling) != len(seqs):
+            raise EngineError(f"{len(sampling)} sampling parameters for {len(seqs)} sequences")
+        return (batching.sampling_batch(self.counts, sampling),)
+
     def decode_batch(self, seqs: Sequence[SequenceState], tokens: Sequence[int]) -> np.ndarray:
         """One token per sequence. Returns logits [n, V] f32."""
+        return self._decode(seqs, tokens, None)[0]
+
+    def decode_sampled(
+        self, seqs: Sequence[SequenceState], tokens: Sequence[int], sampling: Sequence[Sampling]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`decode_batch` with each sequence's next token drawn on the device (`sampling`, one per
+        sequence). Returns (logits [n, V] f32, tokens [n] int32)."""
+        return self._decode(seqs, tokens, sampling)
+
+    def _decode(
+        self, seqs: Sequence[SequenceState], tokens: Sequence[int], sampling: Sequence[Sampling] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         if len(tokens) != len(seqs):
             raise EngineError(f"{len(tokens)} tokens for {len(seqs)} sequences")
         self._check_tokens(tokens)
         self.blocks.reserve(seqs, [s.seq_len + 1 for s in seqs])
-        logits, _ = self._rows(seqs, [[int(t)] for t in tokens], verify=False)
+        out = self._rows(seqs, [[int(t)] for t in tokens], verify=False, sampling=sampling)
         for s in seqs:
             s.drafter_len = s.seq_len - 1
-        return logits
+        return out
 
     def decode(self, seq: SequenceState, token: int) -> np.ndarray:
         return self.decode_batch([seq], [token])[0]
@@ -288,15 +335,21 @@ class Engine(VerdictProtocol):
         off = np.cumsum([0, *ks]).tolist()
         return [[int(t) for t in tokens[off[i] : off[i + 1]]] for i in range(len(seqs))]
 
-    def verify_batched(self, seqs: Sequence[SequenceState], tokens: Sequence[int], ks: Sequence[int]):
+    def verify_batched(
+        self,
+        seqs: Sequence[SequenceState],
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        sampling: Sequence[Sampling] | None = None,
+    ):
         """Batched verify with write-on-accept. tokens: flat seq-major rows, sequence i's rows
         [last_i, d_1 .. d_{K_i-1}]. On success each sequence gains K_i tokens, and its verify awaits
         its verdict (`accept`, `rollback_verify`). Returns (logits [R, V] f32, argmax [R] int32)
-        with R = sum(ks)."""
+        with R = sum(ks); with `sampling` (per sequence) the rows' draws instead of argmaxes."""
         rows = self._verify_rows(seqs, tokens, ks)
         self.blocks.reserve(seqs, [s.seq_len + k + 1 for s, k in zip(seqs, ks)])
         before = [s.seq_len for s in seqs]
-        out = self._rows(seqs, rows, verify=True)
+        out = self._rows(seqs, rows, verify=True, sampling=sampling)
         self._await_verdict(seqs, rows, before)
         return out
 
@@ -308,6 +361,7 @@ class Engine(VerdictProtocol):
         num_drafts: int,
         *,
         logits: bool = False,
+        sampling: Sequence[Sampling] | None = None,
     ) -> SpeculativeOutput:
         """One scheduler step as one program (`transitions.speculative_step`): the write-on-accept
         verify of `tokens` (flat seq-major rows, sequence i's `[last_i, d_1 .. d_{K_i - 1}]`),
@@ -317,7 +371,8 @@ class Engine(VerdictProtocol):
         gains its accepted drafts + 1 tokens, as `verify_batched` then `accept` leave it (a
         propose then trims back to the committed context). KV and drafter blocks are reserved up
         front for seq_len + K_i + num_drafts + 1 positions. Snapshot rollback only (replay
-        rollback runs the composed step)."""
+        rollback runs the composed step). With `sampling` (per sequence): gumbel speculative
+        sampling, the rows' draws and the coupled drafter's drafts (`transitions.speculative_step`)."""
         if self.replay:
             raise EngineError("the fused speculative step needs --ssm-rollback-mode snapshot")
         if not 0 <= num_drafts <= self.counts.propose_drafts:
@@ -329,10 +384,17 @@ class Engine(VerdictProtocol):
         self.blocks.reserve(seqs, [s.seq_len + k + num_drafts + 1 for s, k in zip(seqs, ks)])
         batch, r = batching.step_batch(self.counts, seqs, rows, verify=True)
         static = SpeculativeStatic(
-            self.cfg, self.counts, self.ops, drafter=self.drafter, num_drafts=num_drafts, logits=logits
+            self.cfg,
+            self.counts,
+            self.ops,
+            drafter=self.drafter,
+            num_drafts=num_drafts,
+            logits=logits,
+            samples=sampling is not None,
         )
+        rows_in = self._sampling_rows(seqs, sampling)
         packed, extras, self.pool = self.programs.run(
-            "speculative_step", tr.speculative_step, static, self.pool, self.params, batch
+            "speculative_step", tr.speculative_step, static, self.pool, self.params, batch, *rows_in
         )
         n, t = len(seqs), self.counts.k
         out = self._fetch(packed)[:n]
@@ -354,9 +416,16 @@ class Engine(VerdictProtocol):
 
     # ------------------------------------------------------------ MTP drafter
 
-    def propose_batched(self, seqs: Sequence[SequenceState], last: Sequence[int], num_drafts: int):
+    def propose_batched(
+        self,
+        seqs: Sequence[SequenceState],
+        last: Sequence[int],
+        num_drafts: int,
+        sampling: Sequence[Sampling] | None = None,
+    ):
         """Batched MTP propose. Returns (drafts [n, nd] int32, confidences [n, nd] f32, logits of
-        the last draft position [n, V] f32), numpy."""
+        the last draft position [n, V] f32), numpy. With `sampling` (per sequence) the drafts are
+        the drafter's draws with the target's noise (the coupled drafter)."""
         if not self.drafter:
             raise EngineError("no MTP drafter (needs --speculative and a checkpoint with MTP layers)")
         if not 1 <= num_drafts <= self.counts.propose_drafts:
@@ -364,8 +433,10 @@ class Engine(VerdictProtocol):
         self.blocks.reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
         n = len(seqs)
         x = batching.propose_batch(self.counts, seqs, last)
-        static = ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=num_drafts)
-        drafts, conf, logits, self.pool = self.programs.run("propose", tr.propose, static, self.pool, self.params, x)
+        static = ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=num_drafts, samples=sampling is not None)
+        drafts, conf, logits, self.pool = self.programs.run(
+            "propose", tr.propose, static, self.pool, self.params, x, *self._sampling_rows(seqs, sampling)
+        )
         for s in seqs:
             s.last_num_drafted = num_drafts
             s.drafter_len = s.seq_len + num_drafts - 1
@@ -405,11 +476,19 @@ class Engine(VerdictProtocol):
     # ------------------------------------------------------------ warm-up
 
     def warm_up(
-        self, progress: Sections | None = None, keep: Callable[[Program], bool] | None = None, *, logits: bool = False
+        self,
+        progress: Sections | None = None,
+        keep: Callable[[Program], bool] | None = None,
+        *,
+        logits: bool = False,
+        samples: bool = False,
     ) -> float:
         """Compile ahead of time every program this serve runs on the current forward and mesh
-        (`program_list.serve_programs`, with `logits` the fused step's logits twins; `keep`: only
-        those it keeps), so that no step compiles. Returns the wall seconds."""
-        programs = serve_programs(self.cfg, self.counts, self.settings, self.ops, self.pool, self.params, logits=logits)
+        (`program_list.serve_programs`, with `logits` the fused step's logits twins, with `samples`
+        the sampling twins of the programs that select tokens; `keep`: only those it keeps), so
+        that no step compiles. Returns the wall seconds."""
+        programs = serve_programs(
+            self.cfg, self.counts, self.settings, self.ops, self.pool, self.params, logits=logits, samples=samples
+        )
         chosen = [p for p in programs if (keep is None or keep(p)) and not (self.mesh is not None and p.device_inputs)]
         return warm_up(self.programs, chosen, progress, f"warm-up ({self.forward})")

@@ -71,36 +71,45 @@ class ModelStatic:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillStatic(ModelStatic):
-    """`transitions.prefill_chunk`'s static part; drafter: also write the MTP drafter's KV and stash."""
+    """`transitions.prefill_chunk`'s static part; drafter: also write the MTP drafter's KV and stash;
+    samples: also draw the next token (`engine.sampling`) from a `SamplingRows` argument."""
 
     drafter: bool
+    samples: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class StepStatic(ModelStatic):
     """`transitions.step_rows`' static part; verify: a batched verify (T = K, write-on-accept)
-    rather than a decode (T = 1); drafter: also write the MTP drafter's KV (and, decoding, the stash)."""
+    rather than a decode (T = 1); drafter: also write the MTP drafter's KV (and, decoding, the stash);
+    samples: each row's token is its draw (`engine.sampling.draw`, a `SamplingRows` argument)
+    rather than its argmax."""
 
     verify: bool
     drafter: bool
+    samples: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class ProposeStatic(ModelStatic):
-    """`transitions.propose`'s static part: the number of chained drafts."""
+    """`transitions.propose`'s static part: the number of chained drafts; samples: each draft is
+    the drafter's draw with the target's noise at its position (a `SamplingRows` argument)."""
 
     num_drafts: int
+    samples: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeStatic(ModelStatic):
     """`transitions.speculative_step`'s static part: drafter (stash the accepted rows' hiddens and
     write the drafter's KV, as `StepStatic.drafter`), num_drafts (the chained drafts of the step's
-    propose; 0: no propose) and logits (also return the verify's and the propose's logits)."""
+    propose; 0: no propose), logits (also return the verify's and the propose's logits) and
+    samples (verify and propose draw, as `StepStatic.samples` and `ProposeStatic.samples`)."""
 
     drafter: bool
     num_drafts: int
     logits: bool = False
+    samples: bool = False
 
     def __post_init__(self):
         if self.num_drafts and not self.drafter:
@@ -109,12 +118,12 @@ class SpeculativeStatic(ModelStatic):
     @property
     def step(self) -> StepStatic:
         """The verify's static part (write-on-accept)."""
-        return StepStatic(self.cfg, self.counts, self.ops, verify=True, drafter=self.drafter)
+        return StepStatic(self.cfg, self.counts, self.ops, verify=True, drafter=self.drafter, samples=self.samples)
 
     @property
     def propose(self) -> ProposeStatic:
         """The propose's static part."""
-        return ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=self.num_drafts)
+        return ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=self.num_drafts, samples=self.samples)
 
 
 # ---------------------------------------------------------------- the model's programs

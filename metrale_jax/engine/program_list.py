@@ -61,6 +61,7 @@ from metrale_jax.engine.inputs import (
     abstract,
 )
 from metrale_jax.engine.programs import ProgramCache
+from metrale_jax.engine.sampling import SamplingRows
 from metrale_jax.engine.settings import EngineSettings
 
 
@@ -116,10 +117,13 @@ def serve_programs(
     params: Any,
     *,
     logits: bool = False,
+    samples: bool = False,
 ) -> tuple[Program, ...]:
     """Every program a serve at `counts` and `settings` runs on the forward of `ops`, on `pool`
     and `params` (arrays, or shape structs carrying the engine's shardings), in the module
-    docstring's order. `logits`: also the fused step's logits-returning programs."""
+    docstring's order. `logits`: also the fused step's logits-returning programs; `samples`: the
+    programs that select tokens (prefill, decode, verify, propose, the fused step) are their
+    sampling twins (static `samples`, a `SamplingRows` argument after the program's input)."""
     drafter, mbd, k = counts.drafter, counts.draft_table_width, counts.k
     snapshot = counts.speculative and settings.ssm_rollback_mode == "snapshot"
     nd_max = settings.num_drafts if drafter else 0
@@ -127,6 +131,9 @@ def serve_programs(
 
     def add(name, transition, fn, static, width, shape, *inputs: Callable[[], Any], model=True, **flags):
         head = (pool, params) if model else (pool,)
+        if model and samples:
+            static = dataclasses.replace(static, samples=True)
+            inputs = (*inputs, _padded(SamplingRows.padded, counts, 1 if name == "prefill" else width))
         build = functools.partial(_arguments, head, inputs)
         out.append(Program(name, transition, fn, static, width, shape, build, **flags))
 

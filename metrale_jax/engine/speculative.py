@@ -1,4 +1,4 @@
-"""Greedy generation, plain and speculative (MTP drafts verified in batches), on an `Engine`.
+"""Generation, plain and speculative (MTP drafts verified in batches), greedy or sampled, on an `Engine`.
 
 Owns: the scheduler's state (`SchedulerState`: one `Generation` per prompt, with its
 `SequenceParams`, and the `StepRecord` of every step), the one function that advances it by a
@@ -11,6 +11,11 @@ acceptance, `Engine.accept`, `propose_batched`: the programs the diff replays on
 Invariants:
 - Greedy speculative generation emits exactly the tokens plain greedy decoding emits (the
   verify's argmax decides every token; drafts only decide how many are checked at once).
+  Sampled (a sequence's `SequenceParams.sampling`), the same holds for gumbel speculative
+  sampling: a token is the draw of `engine.sampling` at its position, from the verify's logits
+  and noise of (seed, position) alone, and the drafter drafts with the same noise
+  (the coupling of `engine.sampling`); a generation whose sequences are all greedy runs the
+  greedy programs.
 - The state is all the loop carries from one step to the next: a step reads it and the engine
   and updates both. What one request asks for (today its token budget) is its `SequenceParams`.
 - A draft count is `draft_limit`'s: the schedule at the active width, capped by the slot's
@@ -31,6 +36,7 @@ import numpy as np
 
 from metrale_jax.engine.capacity import KLadder, ladder_drafts
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sampling import Sampling
 from metrale_jax.engine.sequences import SequenceState
 
 
@@ -99,13 +105,39 @@ class GenerationResult:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceParams:
-    """What one request asks of its generation: the place for per-sequence parameters (the
-    sampling issue adds its temperature and PRNG key here). max_new_tokens: tokens to emit, the
-    prefill's first; stop_ids: ids that end the generation once emitted (the checkpoint's EOS ids;
-    the stop id is kept, as HF's `generate` keeps it, and nothing after it)."""
+    """What one request asks of its generation. max_new_tokens: tokens to emit, the prefill's
+    first; stop_ids: ids that end the generation once emitted (the checkpoint's EOS ids; the stop
+    id is kept, as HF's `generate` keeps it, and nothing after it); sampling: its sampling
+    parameters and seed (None or temperature 0: greedy)."""
 
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
+    sampling: Sampling | None = None
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling is not None and not self.sampling.greedy
+
+
+def sampling_of(params: Sequence[SequenceParams]) -> list[Sampling] | None:
+    """The sampling argument of an engine call over sequences with `params`: None when every one
+    is greedy (the greedy programs), else each one's parameters (greedy ones at temperature 0)."""
+    if not any(p.samples for p in params):
+        return None
+    return [p.sampling if p.sampling is not None else Sampling() for p in params]
+
+
+#: Per prompt sampling parameters (one for all, or one per prompt; None: greedy).
+SamplingArg = Sampling | Sequence[Sampling | None] | None
+
+
+def _sequence_params(
+    max_new_tokens: int, n: int, sampling: SamplingArg, stop_ids: frozenset[int]
+) -> list[SequenceParams]:
+    each = sampling if isinstance(sampling, Sequence) else [sampling] * n
+    if len(each) != n:
+        raise ValueError(f"{len(each)} sampling parameters for {n} prompts")
+    return [SequenceParams(max_new_tokens, stop_ids, s) for s in each]
 
 
 @dataclasses.dataclass
@@ -177,12 +209,20 @@ def accepted_drafts(rows: Sequence[int], argmax: Sequence[int]) -> int:
     return a
 
 
+def _first_token(engine: Engine, seq: SequenceState, prompt: Sequence[int], params: SequenceParams) -> int:
+    """The prefill of `prompt` into `seq` and the token it selects (argmax, or drawn when sampled)."""
+    if params.samples:
+        assert params.sampling is not None
+        return engine.prefill_sampled(seq, prompt, params.sampling)[1]
+    return int(engine.prefill(seq, prompt).argmax())
+
+
 def _prefilled(
-    engine: Engine, seqs: Sequence[SequenceState], prompts: Sequence[Sequence[int]], params: SequenceParams
+    engine: Engine, seqs: Sequence[SequenceState], prompts: Sequence[Sequence[int]], params: Sequence[SequenceParams]
 ) -> SchedulerState:
     """The state after each prompt's prefill into its sequence, in order: one token each (the
-    prefill's argmax), no drafts, every prompt active."""
-    gens = [Generation(params, s, [int(engine.prefill(s, p).argmax())]) for s, p in zip(seqs, prompts)]
+    prefill's argmax or draw), no drafts, every prompt active."""
+    gens = [Generation(q, s, [_first_token(engine, s, p, q)]) for s, p, q in zip(seqs, prompts, params)]
     return SchedulerState(gens, list(range(len(gens))))
 
 
@@ -191,21 +231,31 @@ def greedy_generate(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     progress: OnStep | None = None,
+    *,
+    sampling: SamplingArg = None,
     stop_ids: frozenset[int] = frozenset(),
 ) -> list[list[int]]:
-    """Plain greedy decoding of all prompts as one batch (decode_batch). Returns the first
-    max_new_tokens generated tokens of each prompt (the prefill's argmax first), each cut after its
-    first id in `stop_ids`; `progress` as `OnStep` says."""
+    """Plain decoding of all prompts as one batch (decode_batch): greedy, or with `sampling` (one
+    `Sampling` for all prompts or one per prompt) plain sampling, each token drawn on the device
+    (`Engine.decode_sampled`). Returns the first max_new_tokens generated tokens of each prompt
+    (the prefill's token first), each cut after its first id in `stop_ids`; `progress` as
+    `OnStep` says."""
+    params = _sequence_params(max_new_tokens, len(prompts), sampling, stop_ids)
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
-        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens, stop_ids))
+        state = _prefilled(engine, seqs, prompts, params)
         gens = state.generations
+        chosen = sampling_of(params)
         if progress is not None:
             progress(state.emitted())
         while any(g.remaining > 0 for g in gens):
-            logits = engine.decode_batch(seqs, [g.tokens[-1] for g in gens])
-            for g, row in zip(gens, logits):
-                g.tokens.append(int(row.argmax()))
+            last = [g.tokens[-1] for g in gens]
+            if chosen is None:
+                picked = [int(row.argmax()) for row in engine.decode_batch(seqs, last)]
+            else:
+                picked = [int(t) for t in engine.decode_sampled(seqs, last, chosen)[1]]
+            for g, tok in zip(gens, picked):
+                g.tokens.append(tok)
             if progress is not None:
                 progress(state.emitted())
         return [g.tokens[: g.limit] for g in gens]
@@ -237,14 +287,15 @@ class Scheduler:
         batch = [g.seq for g in gens]
         ks = [len(g.drafts) + 1 for g in gens]
         flat = [t for g in gens for t in (g.tokens[-1], *g.drafts)]
+        chosen = sampling_of([g.params for g in gens])
         proposed = None
         if self.fused:
             nd = self._proposal(gens, ks) if self.draft_source is None and self.engine.drafter else 0
-            res = self.engine.speculative_step(batch, flat, ks, nd)
+            res = self.engine.speculative_step(batch, flat, ks, nd, sampling=chosen)
             accepted, emitted = [int(a) for a in res.accepted], res.emitted
             proposed = (res.drafts, res.confidences) if nd else None
         else:
-            _, argmax = self.engine.verify_batched(batch, flat, ks)
+            _, argmax = self.engine.verify_batched(batch, flat, ks, chosen)
             off = np.concatenate([[0], np.cumsum(ks)])
             rows = [flat[off[j] : off[j + 1]] for j in range(len(gens))]
             accepted = [accepted_drafts(r, argmax[off[j] : off[j + 1]]) for j, r in enumerate(rows)]
@@ -278,7 +329,10 @@ class Scheduler:
                 for g in gens:
                     g.drafts, g.confidences = [], []
                 return
-            d, c, _ = self.engine.propose_batched([g.seq for g in gens], [g.tokens[-1] for g in gens], max(keep))
+            chosen = sampling_of([g.params for g in gens])
+            d, c, _ = self.engine.propose_batched(
+                [g.seq for g in gens], [g.tokens[-1] for g in gens], max(keep), chosen
+            )
             for g in gens:
                 self.engine.trim_proposer(g.seq)
             proposed = (d, c)
@@ -306,9 +360,11 @@ def speculative_generate(
     *,
     fused: bool = True,
     progress: OnStep | None = None,
+    sampling: SamplingArg = None,
     stop_ids: frozenset[int] = frozenset(),
 ) -> GenerationResult:
-    """Greedy generation verified in batches.
+    """Greedy generation verified in batches; with `sampling` (as `greedy_generate`'s) gumbel
+    speculative sampling, which emits exactly the tokens of plain sampling with the same seeds.
 
     Drafts come from the engine's MTP drafter (a batched propose after the prefill, then after
     every verdict), or from `draft_source(prompt_index, committed_tokens, n)` when given (e.g. an
@@ -323,7 +379,7 @@ def speculative_generate(
     scheduler = Scheduler(engine, schedule, draft_source, fused and not engine.replay)
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
-        state = _prefilled(engine, seqs, prompts, SequenceParams(max_new_tokens, stop_ids))
+        state = _prefilled(engine, seqs, prompts, _sequence_params(max_new_tokens, len(prompts), sampling, stop_ids))
         if progress is not None:
             progress(state.emitted())
         scheduler.next_drafts(state, None)

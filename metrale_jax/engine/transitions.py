@@ -2,7 +2,7 @@
 
 Owns: prefill (one chunk of one sequence), decode / batched verify rows (write-on-accept), the GDN
 fold of accepted rows, the conv commit, the hidden stash, the MTP drafter's batched propose, the
-fused speculative step (all of a scheduler step in one program: verify, greedy acceptance, stash,
+fused speculative step (all of a scheduler step in one program: verify, acceptance, stash,
 fold, commit, propose), swap-out/swap-in of a sequence's state, and the prefix cache's copies
 between a sequence slot and a snapshot slot. The engine (`engine.py`)
 compiles each once per shape bucket and donates the pool (the first argument); nothing here syncs
@@ -13,6 +13,11 @@ are int32 and traced (never static), so slot indices, lengths and K per sequence
 recompiling. The static part (config, counts, ops, flags) is a frozen `inputs.*Static`. Padding
 rows/sequences address the dummy slot, the null block and the dummy verify rows, and have
 position -1.
+
+Token selection: every token a transition picks (prefill's last row, a decode or verify row, a
+draft) is its first argmax, or with the static `samples` flag its draw (`_draw`, `engine.sampling`)
+at the drawn token's absolute position. With the flag off a program is exactly
+the greedy program (no sampling argument, no sampling op).
 
 Drafter invariant (exact MTP context): every trunk transition also runs the MTP layer over the
 pairs (hidden of the previous trunk row, this row's token) at position p - 1, writing the
@@ -33,7 +38,7 @@ from jax import lax
 
 from kernels_pallas.reductions import first_argmax
 from metrale_jax.config import ModelConfig
-from metrale_jax.engine import inputs
+from metrale_jax.engine import inputs, sampling
 from metrale_jax.engine.pool import EnginePool
 from metrale_jax.model.state_io import GdnMode, PoolIO, TrunkState, ordered_read
 from metrale_jax.model.trunk import final_norm, head, mtp_forward, trunk
@@ -110,6 +115,14 @@ def _live(pool: EnginePool) -> tuple[jax.Array, jax.Array]:
     return h, c
 
 
+def _draw(logits: jax.Array, rows: sampling.SamplingRows | None, seq: jax.Array, positions: jax.Array) -> jax.Array:
+    """The draw of each logits row [R, V] (`sampling.draw`) with sequence seq [R]'s parameters in
+    `rows` at positions [R] (of the drawn token). Returns [R] int32. A sampling program's one
+    token-selection point; a greedy program selects `first_argmax` and traces none of this."""
+    assert rows is not None, "a sampling program takes its SamplingRows"
+    return sampling.draw(logits, sampling.take(rows, seq), positions)
+
+
 def _last_rows(x: jax.Array, lens: jax.Array) -> jax.Array:
     """x [B, T, ...] -> x[b, lens[b] - 1] (row 0 where lens == 0)."""
     idx = jnp.maximum(lens - 1, 0)
@@ -117,14 +130,20 @@ def _last_rows(x: jax.Array, lens: jax.Array) -> jax.Array:
 
 
 def prefill_chunk(
-    pool: EnginePool, params, chunk: inputs.PrefillChunk, *, static: inputs.PrefillStatic
-) -> tuple[jax.Array, EnginePool]:
+    pool: EnginePool,
+    params,
+    chunk: inputs.PrefillChunk,
+    rows: sampling.SamplingRows | None = None,
+    *,
+    static: inputs.PrefillStatic,
+) -> tuple[jax.Array, EnginePool] | tuple[jax.Array, jax.Array, EnginePool]:
     """One prefill chunk of one sequence (`PrefillChunk`; draft_table ignored without drafter).
 
     Donated: pool. A chunk at start 0 begins from a zero GDN state and conv window; after it the
     slot holds the state after the chunk's last valid row and its KV rows are written (with
     drafter, also the drafter KV of the chunk and the stash). Returns (logits of the last valid
-    row [1, V] f32, pool).
+    row [1, V] f32, pool); with `static.samples` (logits, the draw [1] int32 of the token at
+    start + length with `rows` [1], pool).
     """
     cfg, counts = static.cfg, static.counts
     tokens, start, length, slot = chunk.tokens, chunk.start, chunk.length, chunk.slot
@@ -140,11 +159,19 @@ def prefill_chunk(
         pool = _drafter_catch_up(pool, params, static, tokens, hidden, positions, slot, chunk.draft_table)
         assert pool.stash is not None
         pool = pool.replace(stash=pool.stash.at[slot].set(last_hidden))
-    return head(params, cfg, last_hidden), pool
+    logits = head(params, cfg, last_hidden)
+    if not static.samples:
+        return logits, pool
+    return logits, _draw(logits, rows, jnp.zeros((1,), jnp.int32), start + length), pool
 
 
 def step_rows(
-    pool: EnginePool, params, batch: inputs.StepBatch, *, static: inputs.StepStatic
+    pool: EnginePool,
+    params,
+    batch: inputs.StepBatch,
+    rows: sampling.SamplingRows | None = None,
+    *,
+    static: inputs.StepStatic,
 ) -> tuple[jax.Array, jax.Array, jax.Array, EnginePool]:
     """Decode (T = 1) or batched verify (T = K_max) rows of B sequences (`StepBatch`).
 
@@ -153,7 +180,9 @@ def step_rows(
     (write-on-accept, snapshot rollback) writes the state after rows 0..K_i-2 into the slot's
     verify h rows and the window after every row into its verify conv rows; the live slot holds
     the state after row K_i - 1. Without verify (decode), the stash takes the row's hidden.
-    Returns (logits [R_b, V] f32, argmax [R_b] int32, hidden [R_b, Hd] pre-norm, pool), R_b = B * T.
+    Returns (logits [R_b, V] f32, tokens [R_b] int32, hidden [R_b, Hd] pre-norm, pool), R_b = B * T:
+    a row's token is its argmax, or with `static.samples` its draw of the token at its position
+    + 1 with its sequence's parameters in `rows` [B].
     """
     cfg, counts, verify = static.cfg, static.counts, static.verify
     tokens, lens, seq_lens, slots = batch.tokens, batch.lens, batch.seq_lens, batch.slots
@@ -176,6 +205,8 @@ def step_rows(
             pool = pool.replace(stash=pool.stash.at[slots].set(_last_rows(hidden, lens)))
     flat = hidden.reshape(b * t, -1)[row_index]
     logits = head(params, cfg, flat)
+    if static.samples:
+        return logits, _draw(logits, rows, row_index // t, positions.reshape(-1)[row_index] + 1), flat, pool
     return logits, first_argmax(logits), flat, pool
 
 
@@ -253,7 +284,12 @@ def stash_hidden_rows(pool: EnginePool, hidden: jax.Array, stash: inputs.StashBa
 
 
 def propose(
-    pool: EnginePool, params, batch: inputs.ProposeBatch, *, static: inputs.ProposeStatic
+    pool: EnginePool,
+    params,
+    batch: inputs.ProposeBatch,
+    rows: sampling.SamplingRows | None = None,
+    *,
+    static: inputs.ProposeStatic,
 ) -> tuple[jax.Array, jax.Array, jax.Array, EnginePool]:
     """The MTP drafter's batched propose of `static.num_drafts` chained drafts (`ProposeBatch`).
 
@@ -261,7 +297,9 @@ def propose(
     token (last, then draft j-1) with hidden (the stash, then the previous step's normed MTP
     output) at drafter position seq_len - 1 + j, using MTP layer j % n; only the drafter KV
     changes. Returns (drafts [B, nd] int32, confidences [B, nd] f32 = log_softmax(logits)[draft],
-    logits of the last draft position [B, V] f32, pool).
+    logits of the last draft position [B, V] f32, pool). A draft is the drafter's argmax, or with
+    `static.samples` its draw with the target's noise: `sampling.draw` of the drafter's logits
+    with `rows` [B] at the drafted token's position, seq_len + 1 + j (the coupled drafter).
     """
     cfg = static.cfg
     last, seq_lens, slots, valid = batch.last, batch.seq_lens, batch.slots, batch.valid
@@ -278,7 +316,7 @@ def propose(
         io = _pool_io(static, pos, batch.draft_tables, drafter=True)
         hidden, logits, state = mtp_forward(params, cfg, tok, hidden, io, state, j % cfg.num_mtp_layers)
         logits = logits[:, 0]
-        d = first_argmax(logits)
+        d = _draw(logits, rows, jnp.arange(last.shape[0]), seq_lens + 1 + j) if static.samples else first_argmax(logits)
         lsm = jax.nn.log_softmax(logits, axis=-1)
         drafts.append(d)
         confs.append(jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0])
@@ -307,7 +345,12 @@ def greedy_accepts(tokens: jax.Array, argmax: jax.Array, lens: jax.Array) -> jax
 
 
 def speculative_step(
-    pool: EnginePool, params, batch: inputs.StepBatch, *, static: inputs.SpeculativeStatic
+    pool: EnginePool,
+    params,
+    batch: inputs.StepBatch,
+    rows: sampling.SamplingRows | None = None,
+    *,
+    static: inputs.SpeculativeStatic,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], EnginePool]:
     """One scheduler step of B sequences in one program (snapshot rollback): the write-on-accept
     verify of `batch` (a verify's `StepBatch`, row_index the seq-major compaction the engine
@@ -323,8 +366,10 @@ def speculative_step(
     [na, the T row argmaxes (the emitted tokens are the first na + 1), nd drafts, nd confidences
     (f32 bits)], the one array the host fetches; extras = (verify logits [R_b, V] f32, then the
     propose's last-draft logits [B, V] f32 when nd > 0) with `static.logits`, else ().
+    With `static.samples` (gumbel speculative sampling) the row tokens are the verify's draws and
+    the drafts the coupled drafter's, with `rows` [B]: acceptance is the same rule on the draws.
     """
-    logits, argmax, hidden, pool = step_rows(pool, params, batch, static=static.step)
+    logits, argmax, hidden, pool = step_rows(pool, params, batch, rows, static=static.step)
     b, t = batch.tokens.shape
     lens, valid = batch.lens, batch.lens > 0
     grid = _grid(argmax, lens, t)
@@ -354,7 +399,7 @@ def speculative_step(
             draft_tables=batch.draft_tables,
             valid=valid,
         )
-        drafts, confs, draft_logits, pool = propose(pool, params, nxt, static=static.propose)
+        drafts, confs, draft_logits, pool = propose(pool, params, nxt, rows, static=static.propose)
         parts += [drafts, lax.bitcast_convert_type(confs, jnp.int32)]
         extras.append(draft_logits)
     return jnp.concatenate(parts, axis=1), tuple(extras) if static.logits else (), pool
