@@ -8,9 +8,10 @@ Claims:
 - The rows kernel's invariant entry computes a row's product with the same bits at 1..40 rows, and
   `invariant_einsum` gives a row the same bits at any number of rows around it.
 - Under the mode, bit for bit (f32 KV; the fp8 KV contract is the diff's, `make demo`): a decode alone
-  equals the same decode in a batch of 4 (fragmented slots) and of 8; verify row j equals the plain decode after rows 0..j-1, and the state committed
-  after the verdict equals the state after plain decodes of the accepted tokens; a prefill in chunks of 32 or
-  64 equals one pass; the MTP propose does not depend on the batch.
+  equals the same decode in a batch of 4 (fragmented slots) and of 8; verify row j equals the plain decode
+  after rows 0..j-1, and the state committed after the verdict equals the state after plain decodes of the
+  accepted tokens; a prefill in chunks of 32 or 64 equals one pass; the MTP propose does not depend on the
+  batch.
 - Without the setting the ops are the `xla` forward's (`ReferenceOps`): nothing changes.
 """
 
