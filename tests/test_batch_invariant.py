@@ -12,6 +12,8 @@ Claims:
   after rows 0..j-1, and the state committed after the verdict equals the state after plain decodes of the
   accepted tokens; a prefill in chunks of 32 or 64 equals one pass; the MTP propose does not depend on the
   batch.
+- The sub-bound mutants (`diff_mutants.SUB_BOUND_MUTANTS`: a committed state one ULP off) PASS the bounded
+  oracle and FAIL it under --batch-invariant; the clean tree PASSes both.
 - Without the setting the ops are the `xla` forward's (`ReferenceOps`): nothing changes.
 """
 
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import settings
+from diff_mutants import SUB_BOUND_MUTANTS
 
 from kernels_cpu.rows_matmul.api import kernel_unavailable, rows_matmul_invariant
 from kernels_pallas.invariant import invariant_einsum
@@ -89,23 +92,37 @@ def test_invariant_einsum_matches_einsum_and_ignores_the_rows_around():
         invariant_einsum("ab,bc->a", s[0, 0], k[0])
 
 
+def _pinned(script: str, *argv: str) -> dict:
+    """The JSON a script of tests/ prints, run in a process with XLA CPU's FMA contraction pinned."""
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FMA_PIN_FLAG}".strip()}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    r = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True, text=True, cwd=TESTS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module", params=["f32"])
 def contract(request):
     """{check: [compared parts, differing parts]} from the contract script on tiny, with the FMA pin."""
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FMA_PIN_FLAG}".strip()}
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    r = subprocess.run(
-        [sys.executable, str(TESTS / "batch_invariant_contract.py"), "tiny", request.param],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=TESTS.parent,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return _pinned("batch_invariant_contract.py", "tiny", request.param)
+
+
+@pytest.fixture(scope="module")
+def mutants():
+    """{bounded | invariant: {clean | mutant: [verdict, contract, first violation]}} (`batch_invariant_mutants.py`)."""
+    return _pinned("batch_invariant_mutants.py")
 
 
 def test_contract_bit_for_bit(contract):
     assert len(contract) == 10, sorted(contract)
     for name, (compared, differing) in contract.items():
         assert compared >= 1 and differing == [], name
+
+
+def test_sub_bound_mutants_pass_the_bounded_oracle_and_fail_the_bit_identical_one(mutants):
+    assert set(mutants["bounded"]) == {"clean", *SUB_BOUND_MUTANTS}
+    for name, (verdict, contract, where) in mutants["bounded"].items():
+        assert verdict == "PASS" and contract.startswith("bounded") and where is None, name
+    for name, (verdict, contract, where) in mutants["invariant"].items():
+        assert contract.startswith("bit-identical"), name
+        assert (verdict, where is None) == (("PASS", True) if name == "clean" else ("FAIL", False)), name
