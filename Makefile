@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/metrale-jax diff --checkpoint tiny --steps 8 --verify-batch 4 --verify-batch-ks 4,3,2 --mtp --fragment-slots --speculative --num-drafts 3 --out out/demo_diff.json
+	$(VENV)/bin/metrale-jax diff --checkpoint tiny --steps 4 --verify-batch 4 --verify-batch-ks 4,2 --mtp --fragment-slots --speculative --num-drafts 3 --batch-invariant --out out/demo_diff_invariant.json
 
 # The style gate: formatting, lint (line length 120, pyproject [tool.ruff]) and types ([tool.mypy]).
 lint: $(STAMP)

@@ -25,6 +25,8 @@ try:
     from metrale_jax import runtime_env
 
     runtime_env.prepare()
+    if "--batch-invariant" in sys.argv[1:]:  # before jax: the flag pins XLA CPU's FMA contraction
+        runtime_env.pin_fma_contraction()
 
     import click
 

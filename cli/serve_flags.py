@@ -72,6 +72,12 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("gpu_memory_utilization", float, "Fraction of device memory to use, in (0, 1]."),
     ServeFlag("tensor_parallel_size", int, "Devices the heads are sharded over (divides KV and GDN key heads)."),
     ServeFlag("expert_parallel_size", int, "Devices the MoE experts are sharded over (divides the experts)."),
+    ServeFlag(
+        "batch_invariant",
+        bool,
+        "Batch-invariant arithmetic: a token's logits and state are the same bits in any batch, verify or chunk.",
+        off="--no-batch-invariant",
+    ),
 )
 
 

@@ -106,6 +106,28 @@ class ReferenceOps:
         return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, layer)
 
 
+@dataclasses.dataclass(frozen=True)
+class InvariantOps(ReferenceOps):
+    """The `xla` forward in the batch-invariant mode (`--batch-invariant`): the reference twins with every
+    contraction a `kernels_pallas.invariant.invariant_einsum` (a row's GDN step and its attention over the same
+    keys give the same bits in a decode, a verify row or any batch), and `batch_invariant` set, which makes the
+    engine trace the program's products through the rows kernel at every row count (`metrale_jax.model.invariant`).
+    Bit-identity also needs XLA CPU's FMA contraction pinned (`metrale_jax.runtime_env.pin_fma_contraction`).
+    The chunked GDN prefill is the reference's: its shapes are the chunk's whatever the prompt, so a prefill
+    split on the GDN chunk grid runs the same chunk arithmetic as one pass."""
+
+    name: str = "xla-batch-invariant"
+    batch_invariant: bool = True
+
+    def gdn_rows(self, q, k, v, g, beta, h0) -> tuple[jax.Array, jax.Array]:
+        """`Ops.gdn_rows`: the recurrence with invariant contractions, each row from a fenced state."""
+        return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, h0, invariant=True)
+
+    def attention(self, q, k_cache, v_cache, block_tables, positions, scale: float, layer=None) -> jax.Array:
+        """`Ops.attention`: the paged walk with `invariant_einsum` scores and PV."""
+        return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, layer, invariant=True)
+
+
 _REFUSALS: dict[tuple[str, str], None] = {}  # (op, reason), insertion-ordered
 
 # The tensor (heads) axis of the engine's mesh (`metrale_jax.model.linear.TENSOR_AXIS`).

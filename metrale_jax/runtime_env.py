@@ -41,6 +41,24 @@ COMPILATION_CACHE_ENV = "METRALE_JAX_COMPILATION_CACHE"
 CACHE_OFF = ("off", "0", "no", "false")
 
 
+#: The XLA flag that pins FMA contraction on XLA CPU for the batch-invariant mode (`pin_fma_contraction`).
+FMA_PIN_FLAG = "--xla_cpu_max_isa=AVX"
+
+
+def pin_fma_contraction() -> None:
+    """Add `FMA_PIN_FLAG` to `XLA_FLAGS` (before jax starts its backend): XLA CPU's generated code then has no FMA.
+
+    NOTE: XLA CPU lets LLVM contract `a*b + c` into an FMA wherever both ops land in one fusion, and fusion
+    boundaries follow the program's shapes: a verify row and a decode of the same token, or a prompt in chunks
+    and in one pass, then round differently (measured on tiny: everything else made invariant, verify row 3
+    and the chunked prefill still differed by ~1e-6; with this flag they are bit-identical). There is no
+    per-program option: `compiler_options={"xla_cpu_max_isa": ...}` did not change the code, the process flag
+    does. The rows kernel is built apart and keeps its own (fixed) FMAs."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if FMA_PIN_FLAG not in flags.split():
+        os.environ["XLA_FLAGS"] = f"{flags} {FMA_PIN_FLAG}".strip()
+
+
 def compilation_cache_dir() -> Path | None:
     """The persistent compilation cache's directory: `$METRALE_JAX_COMPILATION_CACHE`, else
     `$XDG_CACHE_HOME/metrale-jax/jax`, else `~/.cache/metrale-jax/jax`; None when the variable

@@ -18,6 +18,7 @@ diff's reference always runs `xla`); a shared one in every run until `planted` e
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -57,10 +58,28 @@ SHARED_MUTANTS = {
 }
 
 
+#: Sub-bound shared mutants: state bugs whose effect stays inside the oracle's bounded contract (one ULP of a
+#: committed state leaf), so the bounded diff PASSes them and only the bit-identical contract of --batch-invariant
+#: FAILs them (tests/test_batch_invariant.py).
+SUB_BOUND_MUTANTS = {
+    "fold-ulp": "the GDN fold leaves the folded state one ULP off (a recurrence term summed in another order)",
+    "conv-commit-ulp": "the conv commit leaves the window one ULP off (a commit that rounds through another type)",
+    "stash-ulp": "the stash holds the accepted row's hidden one ULP off (a norm epsilon one ULP off)",
+}
+
+
+def _ulp_up(pool, slots, leaf: str):
+    """pool with `leaf` (trunk.gdn_h, trunk.gdn_conv or stash) one ULP up at `slots`."""
+    if leaf == "stash":
+        return pool.replace(stash=pool.stash.at[slots].set(jnp.nextafter(pool.stash[slots], jnp.inf)))
+    x = getattr(pool.trunk, leaf)
+    return pool.replace(trunk=pool.trunk.replace(**{leaf: x.at[:, slots].set(jnp.nextafter(x[:, slots], jnp.inf))}))
+
+
 @contextlib.contextmanager
 def planted(engine, name: str):
-    """Plant shared mutant `name` in `engine` (a `MutantEngine`) for the block."""
-    assert name in SHARED_MUTANTS, name
+    """Plant shared mutant `name` (of `SHARED_MUTANTS` or `SUB_BOUND_MUTANTS`) in `engine` (a `MutantEngine`)."""
+    assert name in SHARED_MUTANTS or name in SUB_BOUND_MUTANTS, name
     engine.shared = name
     try:
         yield
@@ -133,6 +152,14 @@ class MutantEngine(Engine):
         if self.shared == "full-as-partial":
             ks = [k + (r == k) for r, k in zip(rows, ks)]
         super()._fold(seqs, rows, ks)
+        if self.shared == "fold-ulp":
+            self._sub_bound(seqs, "gdn_h")
+
+    def _sub_bound(self, seqs, leaf: str) -> None:
+        slots = np.asarray([s.slot for s in seqs], np.int32)
+        self.pool = self.programs.run(
+            f"mutant_{leaf}_ulp", functools.partial(_ulp_up, leaf=leaf), None, self.pool, slots
+        )
 
     def _commit(self, seqs, rows, ks):
         if self.mutant == "mutant-conv-kept":
@@ -140,6 +167,8 @@ class MutantEngine(Engine):
         if self.mutant == "mutant-commit-off-by-one" or self.shared == "conv-commit-off-by-one":
             rows = [min(r + 1, k) for r, k in zip(rows, ks)]
         super()._commit(seqs, rows, ks)
+        if self.shared == "conv-commit-ulp":
+            self._sub_bound(seqs, "gdn_conv")
 
     def _rewind(self, seq, rejected):
         if (self.mutant == "mutant-rejected-kv" or self.shared == "rejected-kv-visible") and rejected:
@@ -150,6 +179,8 @@ class MutantEngine(Engine):
         if self.shared == "stash-wrong-row":
             rows = [r + 1 for r in rows]
         super()._stash(seqs, rows)
+        if self.shared == "stash-ulp":
+            self._sub_bound(seqs, "stash")
 
     def trim_proposer(self, seq, keep=0):
         if self.shared != "propose-untrimmed":

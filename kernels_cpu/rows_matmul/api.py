@@ -1,6 +1,7 @@
 """The rows kernel's entry point: `rows_matmul(x, t)`, x [..., K] @ t [K, N] for a few rows on XLA's CPU backend.
 
-Owns: `rows_matmul` (the kernel where `rows_matmul_supported` allows it, else the jnp reference), where it applies
+Owns: `rows_matmul` (the kernel where `rows_matmul_supported` allows it, else the jnp reference),
+`rows_matmul_invariant` (the kernel at every row count: the batch-invariant mode's product), where it applies
 (`ROWS_MIN`..`ROWS_MAX` rows, weights of `MIN_WEIGHT_BYTES` or more, float32, the CPU), the switch that turns it
 off (`DISABLE_ENV`), and the FFI target's registration.
 
@@ -61,12 +62,9 @@ def rows_matmul_supported(x, t) -> str | None:
     """Why `rows_matmul(x, t)` would run the reference instead of the kernel, or None when it runs the kernel."""
     if not rows_kernel_switched_on():
         return f"turned off ({DISABLE_ENV}=0)"
-    if jax.default_backend() != "cpu":
-        return f"the kernel is for XLA's CPU backend, not {jax.default_backend()}"
-    if x.dtype != jnp.float32 or t.dtype != jnp.float32:
-        return f"float32 only (x {x.dtype}, t {t.dtype})"
-    if t.ndim != 2 or x.shape[-1] != t.shape[0]:
-        return f"x [..., K] and t [K, N] expected (x {tuple(x.shape)}, t {tuple(t.shape)})"
+    reason = _operands_refused(x, t)
+    if reason is not None:
+        return reason
     if t.size * t.dtype.itemsize < MIN_WEIGHT_BYTES:
         return f"a weight of {t.size * t.dtype.itemsize} bytes (the kernel reads {MIN_WEIGHT_BYTES} or more)"
     rows = math.prod(x.shape[:-1])
@@ -75,10 +73,37 @@ def rows_matmul_supported(x, t) -> str | None:
     return _registered()
 
 
+def kernel_unavailable(x, t) -> str | None:
+    """Why the kernel cannot compute x [..., K] @ t [K, N] at all (backend, dtypes, shapes, build), or None.
+    Unlike `rows_matmul_supported` there is no row or weight-size range and no off switch: it is what
+    `rows_matmul_invariant` runs at every row count and weight size."""
+    return _operands_refused(x, t) or _registered()
+
+
+def _operands_refused(x, t) -> str | None:
+    if jax.default_backend() != "cpu":
+        return f"the kernel is for XLA's CPU backend, not {jax.default_backend()}"
+    if x.dtype != jnp.float32 or t.dtype != jnp.float32:
+        return f"float32 only (x {x.dtype}, t {t.dtype})"
+    if t.ndim != 2 or x.shape[-1] != t.shape[0]:
+        return f"x [..., K] and t [K, N] expected (x {tuple(x.shape)}, t {tuple(t.shape)})"
+    return None
+
+
 def rows_matmul(x, t):
     """x [..., K] @ t [K, N] -> [..., N] in x's dtype: the kernel where supported, else the reference."""
     if rows_matmul_supported(x, t) is not None:
         return rows_matmul_reference(x, t)
+    return _kernel(x, t)
+
+
+def rows_matmul_invariant(x, t):
+    """x [..., K] @ t [K, N] -> [..., N] through the kernel at every row count and weight size (the batch-invariant
+    mode's product: each row summed over k in increasing order, one FMA at a time, whatever the rows around it).
+    Raises ValueError where the kernel cannot run (`kernel_unavailable`): the mode promises bits, not a fallback."""
+    reason = kernel_unavailable(x, t)
+    if reason is not None:
+        raise ValueError(f"batch-invariant product: the rows kernel cannot run: {reason}")
     return _kernel(x, t)
 
 

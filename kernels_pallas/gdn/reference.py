@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.invariant import invariant_einsum
+
 CHUNK = 32
 UNROLL_ROWS = 8  # recurrences of at most this many rows are unrolled
 
@@ -27,8 +29,10 @@ def _expand_heads(x, heads):
     return jnp.repeat(x, heads // x.shape[2], axis=2)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
-    """Token-by-token recurrence.
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, invariant: bool = False):
+    """Token-by-token recurrence. `invariant` (the batch-invariant forward): the state's contractions are
+    `invariant_einsum`s and each row starts from a fenced state, so row t of a verify runs the arithmetic of a
+    decode from the state after row t-1, at any batch size.
 
     Returns (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32): states[:, t] is the state after
     row t (so states[:, -1] is the final state).
@@ -37,13 +41,19 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
     q = _expand_heads(q, heads)
     k = _expand_heads(k, heads)
 
+    contract = invariant_einsum if invariant else jnp.einsum
+
     def step(s, xs):
+        if invariant:
+            # NOTE: unfenced, XLA fused row t-1's update into row t's products, and LLVM contracted the
+            # multiply-adds of the fused expression differently from a decode's (which reads the state).
+            s, xs = jax.lax.optimization_barrier((s, xs))
         q_t, k_t, v_t, g_t, b_t = xs  # [B,H,dk] [B,H,dk] [B,H,dv] [B,H] [B,H]
         s = s * jnp.exp(g_t)[..., None, None]
-        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        kv_mem = contract("bhkv,bhk->bhv", s, k_t)
         delta = (v_t - kv_mem) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
-        o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        o_t = contract("bhkv,bhk->bhv", s, q_t)
         return s, (o_t, s)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.invariant import invariant_einsum
 from kernels_pallas.reductions import pairwise_sum
 
 TILE_KEYS = 64  # keys per tile: tile_pages(bs) blocks, read per loop step
@@ -77,8 +78,9 @@ def write_kv(k_cache, v_cache, k, v, block_tables, positions, null_block: int, l
     return k_cache, v_cache
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, layer=None):
-    """Causal GQA attention of query rows over their sequences' paged KV.
+def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, layer=None, invariant: bool = False):
+    """Causal GQA attention of query rows over their sequences' paged KV. `invariant` (the batch-invariant
+    forward): the scores and PV are `invariant_einsum`s, the same bits for a row at any query count.
 
     q: [B, T, H, D]; positions [B, T] (< 0 = padding). Caches are one layer's [NB, bs, KV, D], or,
     with `layer` (int32 scalar, may be traced), the stacked [L, NB, bs, KV, D] read at that layer.
@@ -99,6 +101,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
     pages = tile_pages(bs)
     tile = pages * bs
     f32 = jnp.float32
+    contract = invariant_einsum if invariant else jnp.einsum
     rows = q.reshape(b, t, kvh, rep, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, m, d)
     rows = widen(jnp.pad(rows, [(0, 0), (0, 0), (0, mp - m), (0, 0)]), q.dtype)  # [B, KV, Mp, D]
     row_pos = jnp.pad(jnp.repeat(positions, rep, axis=1), [(0, 0), (0, mp - m)], constant_values=-1)  # [B, Mp]
@@ -117,7 +120,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         ids = lax.dynamic_slice_in_dim(tables, j * pages, pages, axis=1)  # [B, pages]
         k, v = load(k_cache, ids), load(v_cache, ids)  # [B, KV, tile, D]
         kpos = j * tile + jnp.arange(tile)  # [tile]
-        s = jnp.einsum("bgmd,bgsd->bgms", rows, k, preferred_element_type=f32)  # [B, KV, Mp, tile]
+        s = contract("bgmd,bgsd->bgms", rows, k, preferred_element_type=f32)  # [B, KV, Mp, tile]
         s = (s.astype(q.dtype) * jnp.asarray(scale, q.dtype)).astype(f32)  # HF's rounding point
         s = jnp.where((kpos[None, :] <= row_pos[:, :, None])[:, None], s, -jnp.inf)
         m_new = jnp.maximum(mx, jnp.max(s, axis=-1))  # [B, KV, Mp]
@@ -126,7 +129,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         alpha = jnp.exp(mx - m_safe)  # [B, KV, Mp]
         live = kpos[None, :] <= last[:, None]  # [B, tile]
         v = jnp.where(live[:, None, :, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
-        pv = jnp.einsum("bgms,bgsd->bgmd", widen(p, q.dtype), v, preferred_element_type=f32)  # [B, KV, Mp, D]
+        pv = contract("bgms,bgsd->bgmd", widen(p, q.dtype), v, preferred_element_type=f32)  # [B, KV, Mp, D]
         acc_new, denom_new = alpha[..., None] * acc + pv, alpha * denom + pairwise_sum(p)
         # A sequence past its last tile keeps its carry (its kernel program has stopped walking).
         walking = (j < n_tiles)[:, None, None]  # [B, 1, 1]

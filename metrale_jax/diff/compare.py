@@ -69,7 +69,7 @@ class Contract:
 
     def describe(self) -> str:
         if not self.bounded:
-            return "bit-identical"
+            return f"bit-identical ({self.reason})" if self.reason else "bit-identical"
         return f"bounded: |Δ| ≤ max({self.rtol:g}, 2 eps)·max|ref| per part, argmax equal ({self.reason})"
 
     def tolerance(self, ref: np.ndarray, dtype) -> float:

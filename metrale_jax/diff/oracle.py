@@ -26,7 +26,10 @@ one pass against the reference's chunks of `slot_layout.PREFILL_CHUNK`, a verify
 program and a decode's another: XLA CPU fuses and rounds them differently), every argmax equal
 and every token (drafts, committed tokens) exact; a structural difference (a sequence whose
 host length or drafter length differs) breaks it. With a KV cache (or model) narrower than
-float32 the bound is `ORACLE_RTOL_ROUNDED`.
+float32 the bound is `ORACLE_RTOL_ROUNDED`. Under `--batch-invariant` (`EngineSettings.batch_invariant`)
+the contract is bit-identical for every part (`ORACLE_INVARIANT_CONTRACT`): a verify row, a decode and a
+prefill chunk on the GDN chunk grid run the same arithmetic per token, whatever the KV dtype (a narrow KV
+rounds each written row once, and every reader reads those bytes).
 
 Invariants:
 - The oracle never calls `verify_batched`, `accept`, `speculative_step`, the stash, fold,
@@ -64,9 +67,16 @@ ORACLE_RTOL_ROUNDED = 5e-3
 ORACLE_CONTRACT = bounded(ORACLE_RTOL, "the plain path: one-pass prefill, decodes instead of verify rows")
 
 
+ORACLE_INVARIANT_CONTRACT = Contract(
+    reason="--batch-invariant: verify rows, decodes and prefill chunks share each token's arithmetic"
+)
+
+
 def oracle_contract(engine) -> Contract:
-    """The oracle's contract on `engine`: `ORACLE_RTOL` with a float32 model and KV cache, else
-    `ORACLE_RTOL_ROUNDED`."""
+    """The oracle's contract on `engine`: bit-identical under --batch-invariant, else `ORACLE_RTOL` with a
+    float32 model and KV cache, else `ORACLE_RTOL_ROUNDED`."""
+    if getattr(engine.settings, "batch_invariant", False):
+        return ORACLE_INVARIANT_CONTRACT
     exact = engine.settings.kv_cache_dtype == "f32" and np.dtype(engine.dtype) == np.float32
     if exact:
         return ORACLE_CONTRACT

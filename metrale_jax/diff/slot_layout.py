@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kernels_pallas.gdn.reference import CHUNK as GDN_CHUNK
 from metrale_jax.diff.schedule import slot_of
 from metrale_jax.engine.capacity import MIN_PREFILL_BUCKET
 from metrale_jax.engine.engine import Engine
@@ -32,6 +33,15 @@ from metrale_jax.engine.sequences import SequenceState
 from metrale_jax.errors import MetraleError
 
 PREFILL_CHUNK = MIN_PREFILL_BUCKET
+#: The chunk under --batch-invariant: the GDN chunk's multiple, so chunks fall on its grid and equal one pass.
+INVARIANT_PREFILL_CHUNK = max(PREFILL_CHUNK, GDN_CHUNK)
+
+
+def prefill_chunk(engine) -> int:
+    """The chunk the diff's reference prefills in on `engine` (`PREFILL_CHUNK`, or `INVARIANT_PREFILL_CHUNK`)."""
+    return INVARIANT_PREFILL_CHUNK if getattr(engine.settings, "batch_invariant", False) else PREFILL_CHUNK
+
+
 _RUNS = itertools.count()
 
 
@@ -86,7 +96,7 @@ class SequenceBatch:
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Prefill sequence i with prompts[i]; returns the last positions' logits [n, vocab]."""
-        return np.stack([self.engine.prefill(s, p, PREFILL_CHUNK) for s, p in zip(self.seqs, prompts)])
+        return np.stack([self.engine.prefill(s, p, prefill_chunk(self.engine)) for s, p in zip(self.seqs, prompts)])
 
     def relocate(self, records: Sequence[SwapRecord], spacer_prompt: Sequence[int]) -> list[dict]:
         """Spill and restore: free every sequence, let a spacer sequence (prefilled with
@@ -96,7 +106,7 @@ class SequenceBatch:
         old = [(s.slot, list(s.blocks)) for s in self.seqs]
         self._free_all()
         spacer = self._alloc()
-        self.engine.prefill(spacer, spacer_prompt, PREFILL_CHUNK)
+        self.engine.prefill(spacer, spacer_prompt, prefill_chunk(self.engine))
         self.seqs = [self._alloc() for _ in old]
         for seq, rec in zip(self.seqs, records):
             self.engine.restore_sequence_state(seq, rec)

@@ -149,6 +149,10 @@ def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Var
             skipped.append({"name": v.label, "reason": "the fused speculative step runs in --verify / --verify-batch"})
         elif v.step == "fused" and engine.replay:
             skipped.append({"name": v.label, "reason": "the fused speculative step needs snapshot rollback"})
+        elif v.forward not in (None, "xla") and getattr(engine.settings, "batch_invariant", False):
+            skipped.append({"name": v.label, "reason": f"--batch-invariant runs the xla forward only, not {v.forward}"})
+        elif v.mesh is not None and getattr(engine.settings, "batch_invariant", False):
+            skipped.append({"name": v.label, "reason": "--batch-invariant runs on one device"})
         elif v.mesh is not None and mode == "swap":
             skipped.append({"name": v.label, "reason": "a sharded record holds the conv channels group-major"})
         else:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from kernels_pallas.ops import Forward, Ops, PallasOps, ReferenceOps
+from kernels_pallas.ops import Forward, InvariantOps, Ops, PallasOps, ReferenceOps
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import batching
 from metrale_jax.engine import transitions as tr
@@ -62,18 +62,36 @@ from metrale_jax.engine.sequences import EngineError, SequenceState
 from metrale_jax.engine.settings import EngineSettings, unsupported
 from metrale_jax.engine.sharding import allocate_sharded_pool, make_mesh
 from metrale_jax.engine.verdict import VerdictProtocol
+from metrale_jax.model.invariant import fma_contraction_pinned
 from metrale_jax.model.layer_groups import arrange_layers
+from metrale_jax.runtime_env import FMA_PIN_FLAG
 
 FORWARDS: tuple[str, ...] = get_args(Forward)
 
 
-def make_ops(name: str) -> Ops:
-    """The ops object of a forward: `xla` (jnp reference twins) or `pallas` (kernels)."""
+def make_ops(name: str, batch_invariant: bool = False) -> Ops:
+    """The ops object of a forward: `xla` (jnp reference twins) or `pallas` (kernels); with `batch_invariant`
+    (the serve setting) the `xla` forward's batch-invariant variant (`InvariantOps`)."""
+    if batch_invariant:
+        if name != "xla":
+            raise EngineError(f"--batch-invariant runs the xla forward, not {name!r}")
+        return InvariantOps()
     if name == "xla":
         return ReferenceOps()
     if name == "pallas":
         return PallasOps()
     raise EngineError(f"unknown forward {name!r} (choose from {', '.join(FORWARDS)})")
+
+
+def _check_invariant_mode() -> None:
+    """Refuse the batch-invariant mode where its arithmetic cannot be pinned (EngineError)."""
+    if jax.default_backend() != "cpu":
+        raise EngineError(f"--batch-invariant needs XLA's CPU backend (the rows kernel), not {jax.default_backend()}")
+    if not fma_contraction_pinned():
+        raise EngineError(
+            "--batch-invariant needs XLA CPU's FMA contraction pinned before jax starts: XLA_FLAGS="
+            f"{FMA_PIN_FLAG} (the metrale-jax command sets it for --batch-invariant)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +143,9 @@ class Engine(VerdictProtocol):
         self.programs = ProgramCache()
         self._program_caches = {mesh: self.programs}  # per mesh: programs are compiled for one placement
         self.forward = forward
-        self.ops = make_ops(forward)
+        self.ops = make_ops(forward, settings.batch_invariant)
+        if settings.batch_invariant:
+            _check_invariant_mode()
         self.replay = settings.ssm_rollback_mode == "replay"
 
     @property
@@ -137,7 +157,7 @@ class Engine(VerdictProtocol):
 
     def set_forward(self, name: str) -> None:
         """Select the forward used from the next transition on (the model code is untouched)."""
-        self.ops = make_ops(name)
+        self.ops = make_ops(name, self.settings.batch_invariant)
         self.forward = name
 
     def set_mesh(self, mesh: Mesh | None) -> None:
@@ -156,8 +176,8 @@ class Engine(VerdictProtocol):
         by the reference instead)."""
         name = name or self.forward
         cache = self.programs if mesh is None else self._program_caches.get(mesh, ProgramCache())
-        out = cache.disclosure(name)
-        ops = make_ops(name)
+        ops = make_ops(name, self.settings.batch_invariant)
+        out = cache.disclosure(ops.name)
         out["refusals"] = list(ops.refusals()) if hasattr(ops, "refusals") else []
         return out
 

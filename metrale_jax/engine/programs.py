@@ -38,6 +38,7 @@ import numpy as np
 
 from kernels_pallas.common import TRITON_CALL
 from metrale_jax.engine.inputs import HostInput, ModelStatic
+from metrale_jax.model.invariant import batch_invariant_products
 
 # Ops of an optimized XLA program that launch device work on their own (fusions and library
 # calls); what runs inside a fusion is one launch.
@@ -347,8 +348,11 @@ def _jitted(fn: Callable, static: ModelStatic | None, args: tuple) -> tuple[Any,
         )
     )
 
+    invariant = getattr(getattr(static, "ops", None), "batch_invariant", False)
+
     def packed(*a):
-        out = call(*packing.unpack(a))
+        with batch_invariant_products(invariant):  # the batch-invariant forward's products (`model.invariant`)
+            out = call(*packing.unpack(a))
         return (*out[:-1], keep(out[-1])) if isinstance(out, tuple) else keep(out)
 
     # NOTE: the packed program keeps the transition's name and argument names (`params`, ...): XLA

@@ -115,6 +115,7 @@ class EngineSettings:
     gpu_memory_utilization: float
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    batch_invariant: bool = False
     provenance: tuple[Provenance, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
@@ -139,6 +140,7 @@ SERVE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "gpu_memory_utilization": 0.90,
         "tensor_parallel_size": 1,
         "expert_parallel_size": 1,
+        "batch_invariant": False,
     }
 )
 
@@ -255,6 +257,7 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
         eff[name] = v[name]
     spec = eff["speculative"] = bool(v["speculative"])
     eff["enable_prefix_caching"] = bool(v["enable_prefix_caching"])
+    eff["batch_invariant"] = bool(v["batch_invariant"])
 
     nd, rule["num_drafts"] = _tiered(v["num_drafts"], b.default_num_drafts, "default_num_drafts", DEFAULT_NUM_DRAFTS)
     if nd < 1:
@@ -326,4 +329,6 @@ def unsupported(settings: EngineSettings, cfg: ModelConfig) -> list[str]:
         out.append("--ssm-decode-ring-slots > 0 (this engine has no decode-rollback ring)")
     if settings.speculative and cfg.num_mtp_layers == 0:
         out.append("--speculative with a checkpoint that has no MTP layer")
+    if settings.batch_invariant and settings.tensor_parallel_size * settings.expert_parallel_size > 1:
+        out.append("--batch-invariant on several devices (the mode's products run on one CPU device)")
     return out

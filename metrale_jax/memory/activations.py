@@ -325,6 +325,14 @@ class ActivationModel:
             self._ops = make_ops(self.forward)
         return self._ops
 
+    def ops_for(self, settings: EngineSettings) -> Ops:
+        """The ops the engine runs at `settings`: `ops`, or with --batch-invariant the forward's invariant variant."""
+        if not settings.batch_invariant:
+            return self.ops
+        from metrale_jax.engine.engine import make_ops
+
+        return make_ops(self.forward, batch_invariant=True)
+
     def params(self, cfg: ModelConfig):
         """The Engine's parameter tree of `cfg` (its default layout, `list`), abstract."""
         if cfg not in self._params:
@@ -372,7 +380,7 @@ class ActivationModel:
                 params,
                 param_shardings(params, cfg, mesh),
             )
-        progs = step_programs(cfg, counts, settings, params, pool, self.ops)
+        progs = step_programs(cfg, counts, settings, params, pool, self.ops_for(settings))
         return tuple(p for p in progs if self.only is None or p.name in self.only)
 
     # -- one shape set, exactly

@@ -26,6 +26,7 @@ import numpy as np
 from flax import struct
 
 from kernels_cpu.rows_matmul.api import rows_matmul
+from metrale_jax.model.invariant import invariant_product, products_invariant
 
 # The device mesh's axes (`metrale_jax.engine.sharding` builds the mesh): heads, experts.
 TENSOR_AXIS = "tp"
@@ -176,7 +177,10 @@ def with_expert(e, fn, stacks, *args):
 
 def linear(x, w):
     """x [..., in] @ w[out, in].T -> [..., out], in the activation dtype. An input-major weight's product of a
-    few rows runs the CPU rows kernel (`kernels_cpu.rows_matmul`; XLA's dot where it does not apply)."""
+    few rows runs the CPU rows kernel (`kernels_cpu.rows_matmul`; XLA's dot where it does not apply); in the
+    batch-invariant mode every product does (`metrale_jax.model.invariant`)."""
+    if products_invariant():
+        return invariant_product(x, w.t if isinstance(w, TransposedWeight) else w.T)
     if isinstance(w, TransposedWeight):
         return rows_matmul(x, w.t)
     return jnp.einsum("...i,oi->...o", x, w)
@@ -187,6 +191,8 @@ def linear_per_expert(x, w):
     axis (each expert's C rows against its own weight)."""
     if isinstance(w, ExpertLeaves):
         return jnp.stack([linear(x[e], we) for e, we in enumerate(w.experts)])
+    if products_invariant():
+        return jnp.stack([linear(x[e], expert_weight(w, e)) for e in range(x.shape[0])])
     if isinstance(w, TransposedWeight):
         return jnp.einsum("eci,eio->eco", x, w.t)
     return jnp.einsum("eci,eoi->eco", x, w)

@@ -1,0 +1,128 @@
+"""The batch-invariant mode (`--batch-invariant`): its settings, its refusals, its kernels' row invariance, and
+its contract end to end on the tiny model (`tests/batch_invariant_contract.py`, in a process with FMA
+contraction pinned).
+
+Claims:
+- The setting resolves (default off, `--batch-invariant` on), is refused on several devices, and an engine
+  refuses the mode where XLA still contracts FMAs (this test process: the pin is a process flag).
+- The rows kernel's invariant entry computes a row's product with the same bits at 1..40 rows, and
+  `invariant_einsum` gives a row the same bits at any number of rows around it.
+- Under the mode, bit for bit (f32 KV; the fp8 KV contract is the diff's, `make demo`): a decode alone
+  equals the same decode in a batch of 4 (fragmented slots) and of 8; verify row j equals the plain decode
+  after rows 0..j-1, and the state committed after the verdict equals the state after plain decodes of the
+  accepted tokens; a prefill in chunks of 32 or 64 equals one pass; the MTP propose does not depend on the
+  batch.
+- The sub-bound mutants (`diff_mutants.SUB_BOUND_MUTANTS`: a committed state one ULP off) PASS the bounded
+  oracle and FAIL it under --batch-invariant; the clean tree PASSes both.
+- Without the setting the ops are the `xla` forward's (`ReferenceOps`): nothing changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import settings
+from diff_mutants import SUB_BOUND_MUTANTS
+
+from kernels_cpu.rows_matmul.api import kernel_unavailable, rows_matmul_invariant
+from kernels_pallas.invariant import invariant_einsum
+from kernels_pallas.ops import InvariantOps, ReferenceOps
+from metrale_jax.engine.engine import Engine, make_ops
+from metrale_jax.engine.sequences import EngineError
+from metrale_jax.engine.settings import unsupported
+from metrale_jax.runtime_env import FMA_PIN_FLAG
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_setting_resolves_and_is_refused_on_several_devices(tiny):
+    cfg, _ = tiny
+    assert settings().batch_invariant is False
+    on = settings(batch_invariant=True)
+    assert on.batch_invariant and unsupported(on, cfg) == []
+    assert any(
+        "--batch-invariant" in m for m in unsupported(settings(batch_invariant=True, tensor_parallel_size=2), cfg)
+    )
+
+
+def test_ops_follow_the_setting():
+    assert make_ops("xla") == ReferenceOps() and make_ops("xla", True) == InvariantOps()
+    assert InvariantOps().name != ReferenceOps().name
+    with pytest.raises(EngineError, match="xla forward"):
+        make_ops("pallas", True)
+
+
+def test_engine_refuses_the_mode_without_the_fma_pin(tiny):
+    if FMA_PIN_FLAG in os.environ.get("XLA_FLAGS", ""):
+        pytest.skip("this process has the pin")
+    cfg, params = tiny
+    with pytest.raises(EngineError, match="FMA contraction"):
+        Engine(cfg, params, settings(max_batch_size=2, max_seq_len=64, batch_invariant=True))
+
+
+def test_rows_kernel_invariant_at_every_row_count():
+    x = jax.random.normal(jax.random.key(0), (40, 96), jnp.float32)
+    t = jax.random.normal(jax.random.key(1), (96, 40), jnp.float32)
+    if kernel_unavailable(x, t):
+        pytest.skip(kernel_unavailable(x, t))
+    one = np.asarray(jax.jit(rows_matmul_invariant)(x[:1], t))
+    for n in (1, 2, 7, 8, 9, 17, 40):
+        got = np.asarray(jax.jit(rows_matmul_invariant)(x[:n], t))
+        assert got[0].tobytes() == one[0].tobytes(), n
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(t), rtol=1e-5, atol=1e-5)
+
+
+def test_invariant_einsum_matches_einsum_and_ignores_the_rows_around():
+    s = jax.random.normal(jax.random.key(2), (8, 3, 16, 12), jnp.float32)
+    k = jax.random.normal(jax.random.key(3), (8, 3, 16), jnp.float32)
+    spec = "bhkv,bhk->bhv"
+    full = np.asarray(jax.jit(lambda s, k: invariant_einsum(spec, s, k))(s, k))
+    np.testing.assert_allclose(full, np.einsum(spec, np.asarray(s), np.asarray(k)), rtol=1e-5, atol=1e-5)
+    one = np.asarray(jax.jit(lambda s, k: invariant_einsum(spec, s, k))(s[:1], k[:1]))
+    assert one.tobytes() == full[:1].tobytes()
+    with pytest.raises(ValueError, match="exactly one index"):
+        invariant_einsum("ab,bc->a", s[0, 0], k[0])
+
+
+def _pinned(script: str, *argv: str) -> dict:
+    """The JSON a script of tests/ prints, run in a process with XLA CPU's FMA contraction pinned."""
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FMA_PIN_FLAG}".strip()}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    r = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True, text=True, cwd=TESTS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=["f32"])
+def contract(request):
+    """{check: [compared parts, differing parts]} from the contract script on tiny, with the FMA pin."""
+    return _pinned("batch_invariant_contract.py", "tiny", request.param)
+
+
+@pytest.fixture(scope="module")
+def mutants():
+    """{bounded | invariant: {clean | mutant: [verdict, contract, first violation]}} (`batch_invariant_mutants.py`)."""
+    return _pinned("batch_invariant_mutants.py")
+
+
+def test_contract_bit_for_bit(contract):
+    assert len(contract) == 10, sorted(contract)
+    for name, (compared, differing) in contract.items():
+        assert compared >= 1 and differing == [], name
+
+
+def test_sub_bound_mutants_pass_the_bounded_oracle_and_fail_the_bit_identical_one(mutants):
+    assert set(mutants["bounded"]) == {"clean", *SUB_BOUND_MUTANTS}
+    for name, (verdict, contract, where) in mutants["bounded"].items():
+        assert verdict == "PASS" and contract.startswith("bounded") and where is None, name
+    for name, (verdict, contract, where) in mutants["invariant"].items():
+        assert contract.startswith("bit-identical"), name
+        assert (verdict, where is None) == (("PASS", True) if name == "clean" else ("FAIL", False)), name
