@@ -157,7 +157,9 @@ def mtp_tensors(trunk: dict[str, torch.Tensor], std: float) -> dict[str, torch.T
         "mtp.pre_fc_norm_hidden.weight": (hidden,),
         "mtp.norm.weight": (hidden,),
     }
-    shapes.update({"mtp.layers.0." + n[len(prefix) :]: tuple(t.shape) for n, t in trunk.items() if n.startswith(prefix)})
+    shapes.update(
+        {"mtp.layers.0." + n[len(prefix) :]: tuple(t.shape) for n, t in trunk.items() if n.startswith(prefix)}
+    )
     gen = torch.Generator().manual_seed(SEED + 1)
     out = {}
     for name, shape in sorted(shapes.items()):

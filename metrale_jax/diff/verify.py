@@ -46,6 +46,7 @@ import numpy as np
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Part, Recording, compare, saw_difference, timing
 from metrale_jax.diff.decode import run_decode
+from metrale_jax.diff.footprint import compact_equal
 from metrale_jax.diff.oracle import broke_from, oracle_comparison
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
@@ -194,7 +195,11 @@ def run_fused(
             fused.step_ms.append((time.perf_counter() - t0) * 1e3)
             parts = _step_parts(out.verify_logits, (out.drafts, out.confidences, out.draft_logits) if nd else None)
             emitted = [t for e in out.emitted for t in e]
-            fused.steps.append(parts + _outcome(engine, seqs, [int(a) for a in out.accepted], emitted))
+            fused_parts = parts + _outcome(engine, seqs, [int(a) for a in out.accepted], emitted)
+            # NOTE: each side's parts hold the whole pool; kept whole for every step they would
+            # hold 2 x steps pools (the 0.8B's runs past 12 GB): equal pairs are kept as one digest.
+            composed.steps[-1], fused_parts = compact_equal(composed.steps[-1], fused_parts)
+            fused.steps.append(fused_parts)
             progress.advance()
     composed.enqueue_ms, fused.enqueue_ms = composed.step_ms, fused.step_ms
     return composed, fused
