@@ -1,7 +1,7 @@
-"""The diff's memory accounting: the report's `memory` field and the lock-step compaction.
+"""The diff's memory accounting: the report's `memory` field and the lock-step runs' settled parts.
 
-`compact_equal` must change what a run holds, never what a comparison finds; `footprint`
-counts the engine's one copy of the weights and its pool."""
+`settle` must change what a run holds, never what a comparison finds; `footprint` counts the
+engine's one copy of the weights and its pool."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from conftest import settings
 
-from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Recording, bounded, compare
-from metrale_jax.diff.footprint import compact_equal, footprint, peak_rss_bytes
+from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Recording, bounded, compare, settle
+from metrale_jax.diff.footprint import footprint, peak_rss_bytes
 from metrale_jax.engine.engine import Engine
 from metrale_jax_cli import diff_cmd
 
@@ -32,20 +33,18 @@ def _parts(seed: int, changed: bool) -> list[Part]:
     ]
 
 
-def test_compaction_keeps_every_comparison_and_holds_equal_pairs_once():
+def test_settled_parts_compare_as_the_whole_recording_does():
+    """A lock-step run that settles its pool parts as it records them (`settle`) gets the same
+    comparison as one that kept both sides' arrays, equal and differing steps alike."""
     a_steps = [_parts(s, False) for s in range(4)]
     b_steps = [_parts(s, s >= 2) for s in range(4)]  # the pool differs from step 2 on
-    packed = [compact_equal(a, b) for a, b in zip(a_steps, b_steps)]
-    for contract in (BIT_IDENTICAL, bounded(1e-3, "test")):
-        whole = compare("v", Recording([], a_steps), Recording([], b_steps), contract)
-        small = compare("v", Recording([], [a for a, _ in packed]), Recording([], [b for _, b in packed]), contract)
-        assert small == whole
-    assert whole.first_mismatch == 2 and whole.first_diff["part"] == "pool kv"
-    for s, (a, b) in enumerate(packed):
-        # equal pairs: one 32-byte digest part on both sides; differing pairs: both arrays kept
-        assert a[0] is b[0] and a[0].data.nbytes == 32 and a[0].name == "verify logits"
-        assert (a[2] is b[2]) == (s < 2)
-        assert (b[2].data.nbytes == 32) == (s < 2)
+    whole = compare("v", Recording([], a_steps), Recording([], b_steps), BIT_IDENTICAL)
+    ref, run = Recording([], [a[:2] for a in a_steps]), Recording([], [b[:2] for b in b_steps])
+    run.settled = {s: settle(a[2:], b[2:], BIT_IDENTICAL) for s, (a, b) in enumerate(zip(a_steps, b_steps))}
+    assert compare("v", ref, run, BIT_IDENTICAL) == whole
+    assert whole.first_mismatch == 2 and whole.first_diff["part"] == "pool kv" and not whole.ok
+    with pytest.raises(ValueError, match="settled under"):
+        compare("v", ref, run, bounded(1e-3, "another contract"))
 
 
 def test_footprint_counts_the_engines_weights_and_pool_once(tiny):
