@@ -173,8 +173,8 @@ def run(s: Settings, hf_python: str) -> dict:
             cases.append(case)
 
         # NOTE: HF keeps its cache in the model's dtype: a bf16 model's KV is bf16 on both sides.
-        kv = {"kv_cache_dtype": "bf16"} if dtype == "bfloat16" else {}
-        base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, **kv)
+        kv = "bf16" if dtype == "bfloat16" else "f32"
+        base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, kv_cache_dtype=kv)
         for t in prefill_lens:
             toks = rand(t)
             pair("prefill", 1, t, base, functools.partial(base.prefill, toks), dict(op="prefill", tokens=toks))
@@ -196,7 +196,7 @@ def run(s: Settings, hf_python: str) -> dict:
         del base
 
         for k in ks:
-            spec = StepBench.verifying(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, k=k, **kv)
+            spec = StepBench.verifying(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, k=k, kv_cache_dtype=kv)
             for n in ns:
                 spec.context(f"n{n}", prompts[n])
                 rows = rand(n, k)

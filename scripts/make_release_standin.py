@@ -32,6 +32,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -47,7 +48,7 @@ SEED = 0
 SHARD_BYTES = 1 << 30  # shards of at most 1 GiB: the 0.8B in bf16 makes two, as a sharded release does
 EOS_END_OF_TURN, EOS_END_OF_TEXT = 248046, 248044
 
-REAL_TEXT = {
+REAL_TEXT: dict[str, Any] = {
     "attention_bias": False,
     "attention_dropout": 0.0,
     "attn_output_gate": True,
@@ -86,7 +87,7 @@ REAL_TEXT = {
     "use_cache": True,
     "vocab_size": 248320,
 }
-REAL_VISION = {
+REAL_VISION: dict[str, Any] = {
     "depth": 12,
     "hidden_act": "gelu_pytorch_tanh",
     "hidden_size": 768,
