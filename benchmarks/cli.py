@@ -1,10 +1,10 @@
 """The benchmark entry point: `python -m benchmarks COMMAND [options]`, a Click group.
 
 Commands:
-- one per section (`hf`, `hf-45m`, `hf-300m`, `e2e`, `anatomy`, `compile`, `forwards`, `gap`, `slots`,
+- one per section (`hf`, `hf-45m`, `hf-300m`, `hf-0.8b`, `e2e`, `anatomy`, `compile`, `forwards`, `gap`, `slots`,
   `multiturn`, `roofline`): that section alone, with its own options (`benchmarks.sections`);
-- `all`: several sections in one run, with every section's options: by default hf, hf-45m, hf-300m, e2e,
-  anatomy, compile, forwards, gap, slots, multiturn (`make bench`, which also passes `--notes
+- `all`: several sections in one run, with every section's options: by default hf, hf-45m, hf-300m, hf-0.8b,
+  e2e, anatomy, compile, forwards, gap, slots, multiturn (`make bench`, which also passes `--notes
   benchmarks/RESULTS.md`); `--sections` picks; `--smoke`: every section at tiny sizes; `--gpu`: the roofline;
 - the probes (`benchmarks.probes`: step-times, thunk-profile, layout-ab, oracle-loop, small-m-products,
   moe-forms): one measurement each, printed, for the figures BUILD_NOTES.md cites; each runs pinned to one
@@ -19,7 +19,9 @@ Presets (`settings.Preset`; each section's sizes are in its module):
 - default: hf on tiny: prefill 128/512/2048, decode and verify n in 1/4/8, K in 2/3/4, 7 alternated
   repeats after 2 warm-up, then 7 alternated blocks of 8 back-to-back calls; hf-45m
   (qwen3-next-h512): prefill 128/1024/2048, n in 1/8, K 4, 3 repeats after 1 warm-up, 2-call blocks
-  (decode and verify); hf-300m (qwen35-moe-h1024): the same with prefill 128; e2e: `small` at n in
+  (decode and verify); hf-300m (qwen35-moe-h1024): the same with prefill 128; hf-0.8b (the Qwen3.5-0.8B
+  stand-in of scripts/make_release_standin.sh, bf16 as released; skipped where it is absent): prefill
+  256, n in 1/4, K 4; e2e: `small` at n in
   1/4/8 with 1..3 drafts and the 45 M width with oracle drafts at n in 1/8, 3 rounds; 50-step
   compile loop on tiny and on the 48-layer Qwen3-Next pattern, scan vs unrolled, 2 runs each in
   fresh processes;

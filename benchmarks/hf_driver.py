@@ -62,7 +62,7 @@ def op_load(req):
     with open(os.path.join(req["dir"], "config.json")) as f:
         model_type = json.load(f)["model_type"]
     cfg_cls, model_cls = _model_classes(model_type)
-    kw = {"dtype": torch.float32}
+    kw = {"dtype": getattr(torch, req.get("dtype", "float32"))}
     if req.get("impl") == "eager":
         kw.update(attn_implementation="eager", experts_implementation="eager")
     cfg = cfg_cls.from_pretrained(req["dir"])

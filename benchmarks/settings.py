@@ -32,6 +32,7 @@ class HFSizes:
     warmup: int
     block: int
     prefill_b2b: bool
+    dtype: str = "float32"  # both sides' weight/activation dtype: float32, or "checkpoint" (its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,7 @@ class Settings:
     threads: int  # threads per side; 0 = library defaults
     hf_impl: str  # hf: "default" or "eager" attention/experts implementations
     seed: int
+    dtype: str = "float32"  # hf sections: both sides' dtype, float32 or "checkpoint" (the checkpoint's own)
 
     def hf_section(self, name: str) -> Settings:
         """The hf section `name`'s settings: `hf` itself, or a realistic-width section with its model and

@@ -107,7 +107,11 @@ def run(s: Settings, hf_python: str) -> dict:
     `s.repeats` rounds of the back-to-back timing; `s.threads` 0: HF's torch gets every core."""
     model_name, workdir, prefill_lens, ns, ks, ctx = s.model, s.workdir, s.prefill_lens, s.ns, s.ks, s.ctx
     repeats, warmup, block, threads, impl, seed = s.repeats, s.warmup, s.block, s.threads, s.hf_impl, s.seed
-    cfg, params = models.model(model_name)
+    if s.dtype == "checkpoint":  # the checkpoint's own dtype (a release: bfloat16) on both sides
+        cfg, params = models.resolve_checkpoint(model_name, None)
+    else:
+        cfg, params = models.model(model_name)
+    dtype = str(np.dtype(params["embed"].dtype))
     if os.path.isdir(model_name):  # a checkpoint directory: HF reads it as it is
         ckpt = os.path.abspath(model_name)
     else:
@@ -125,7 +129,7 @@ def run(s: Settings, hf_python: str) -> dict:
         return rng.integers(0, vocab, size=shape).tolist()
 
     with HFClient(hf_python, os.path.join(workdir, "hf_driver.stderr")) as hf:
-        info = hf.call("load", dir=ckpt, threads=threads or os.cpu_count(), impl=impl)
+        info = hf.call("load", dir=ckpt, threads=threads or os.cpu_count(), impl=impl, dtype=dtype)
         info.pop("ok")
         _log(f"HF loaded: {info}")
 
@@ -168,7 +172,9 @@ def run(s: Settings, hf_python: str) -> dict:
             )
             cases.append(case)
 
-        base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len)
+        # NOTE: HF keeps its cache in the model's dtype: a bf16 model's KV is bf16 on both sides.
+        kv = "bf16" if dtype == "bfloat16" else "f32"
+        base = StepBench(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, kv_cache_dtype=kv)
         for t in prefill_lens:
             toks = rand(t)
             pair("prefill", 1, t, base, functools.partial(base.prefill, toks), dict(op="prefill", tokens=toks))
@@ -190,7 +196,7 @@ def run(s: Settings, hf_python: str) -> dict:
         del base
 
         for k in ks:
-            spec = StepBench.verifying(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, k=k)
+            spec = StepBench.verifying(cfg, params, max_batch=max(ns), max_seq_len=max_seq_len, k=k, kv_cache_dtype=kv)
             for n in ns:
                 spec.context(f"n{n}", prompts[n])
                 rows = rand(n, k)
@@ -212,6 +218,7 @@ def run(s: Settings, hf_python: str) -> dict:
         "warmup": warmup,
         "block": block,
         "model_type": cfg.model_type,
+        "dtype": dtype,
         "parameters": models.parameter_count(cfg),
         "bandwidth_past_cache": bandwidths.past_cache,
         "bandwidths_sized": bandwidths.sized,

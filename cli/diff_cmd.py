@@ -161,6 +161,7 @@ def diff(
     pools = serve_pools(cfg, settings, params["embed"].dtype)
     require_room("this diff's engine", pools, "lower --steps, --max-seq-len or --max-batch-size")
     engine = Engine(cfg, params, settings)
+    del params  # NOTE: the engine holds the weights in its own layout (f32 on CPU: transposed); one copy, not two
     variants, unavailable = default_variants(names)
     try:
         report = run_diff(engine, request, variants, unavailable, progress=Bar())

@@ -322,13 +322,15 @@ def test_default_run_times_the_realistic_width_models_at_their_own_sizes():
     its own sizes, and runs the end-to-end section; both wide models have one MTP layer (their verify is
     speculative), the 300 M one in the Qwen3.5-MoE checkpoint layout."""
     s = cli.resolve(cli.parse([]))
-    assert s.sections[:4] == ["hf", "hf-45m", "hf-300m", "e2e"]
+    assert s.sections[:5] == ["hf", "hf-45m", "hf-300m", "hf-0.8b", "e2e"]
     assert "hf-45m" not in cli.resolve(cli.parse(["--smoke"])).sections
     sizes = {name: (w.model, w.prefill_lens, w.ns, w.ks, w.repeats, w.prefill_b2b) for name, w in s.wide.items()}
     assert sizes == {
         "hf-45m": ("qwen3-next-h512", [128, 1024, 2048], [1, 8], [4], 3, False),
         "hf-300m": ("qwen35-moe-h1024", [128], [1, 8], [4], 3, False),
+        "hf-0.8b": (os.path.expanduser(hf_section.STANDIN_DIR), [256], [1, 4], [4], 3, False),
     }
+    assert s.hf_section("hf-0.8b").dtype == "checkpoint" and s.hf_section("hf-300m").dtype == "float32"
     w = s.hf_section("hf-300m")
     assert (w.model, w.prefill_lens, w.repeats, w.warmup, w.block, w.ctx) == ("qwen35-moe-h1024", [128], 3, 1, 2, 128)
     assert (s.model, s.prefill_lens, s.repeats, s.block, s.prefill_b2b) == ("tiny", [128, 512, 2048], 7, 8, True)

@@ -22,6 +22,6 @@ _MODULES: tuple[ModuleType, ...] = (hf, e2e, anatomy, compiles, forwards, gap, s
 SECTIONS: dict[str, ModuleType] = {name: m for m in _MODULES for name in m.COMMANDS}
 
 #: The sections `make bench` runs (`all` without --sections, --smoke or --gpu).
-DEFAULT = ["hf", "hf-45m", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn"]
+DEFAULT = ["hf", "hf-45m", "hf-300m", "hf-0.8b", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn"]
 #: The smoke run's sections: every one at tiny sizes, the HF comparison at realistic width once (its stand-in).
 SMOKE = ["hf", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn", "roofline"]

@@ -1,11 +1,16 @@
-"""The `hf`, `hf-45m` and `hf-300m` sections: the JAX engine against HF transformers on the CPU, same config
-and weights, timed in one run, each decode/verify case with its CPU roofline (runner: `benchmarks.vs_hf`;
-the HF side runs in the venv of `benchmarks.hf_env`).
+"""The `hf`, `hf-45m`, `hf-300m` and `hf-0.8b` sections: the JAX engine against HF transformers on the CPU,
+same config and weights, timed in one run, each decode/verify case with its CPU roofline (runner:
+`benchmarks.vs_hf`; the HF side runs in the venv of `benchmarks.hf_env`).
+
+`hf-0.8b` is the released size: the Qwen3.5-0.8B stand-in (`scripts/make_release_standin.sh`, the real
+config in the released layout, random weights) in the checkpoint's own dtype (bfloat16) on both sides;
+skipped, with the reason, where the stand-in has not been built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import click
@@ -30,6 +35,11 @@ _WIDE_OPTIONS = (
     STEP_OPTIONS["block"],
     STEP_OPTIONS["ctx"],
 )
+#: Where `scripts/make_release_standin.sh` writes the Qwen3.5-0.8B stand-in by default.
+STANDIN_DIR = os.path.join("~", ".cache", "metrale-jax", "standins", "qwen3.5-0.8b")
+_STANDIN_OPTION = click.Option(
+    ["--standin"], help=f"hf-0.8b: the Qwen3.5-0.8B stand-in's folder (default {STANDIN_DIR})"
+)
 _STEP = ("model", "prefill_lens", "ns", "ks", "ctx", "repeats", "warmup", "block")
 _WIDE_HELP = "the hf comparison at realistic width: {} (prefill, decode and verify n in 1/8, K 4)"
 
@@ -40,6 +50,11 @@ COMMANDS: dict[str, Command] = {
     ),
     "hf-45m": (_WIDE_HELP.format("the 45 M Qwen3-Next qwen3-next-h512"), (*_WIDE_OPTIONS, *_HF_OPTIONS)),
     "hf-300m": (_WIDE_HELP.format("the 304 M Qwen3.5-MoE qwen35-moe-h1024"), (*_WIDE_OPTIONS, *_HF_OPTIONS)),
+    "hf-0.8b": (
+        "the hf comparison at the released size: the Qwen3.5-0.8B stand-in in its own dtype (bf16), prefill 256, "
+        "decode and verify n in 1/4, K 4",
+        (*_WIDE_OPTIONS, *_HF_OPTIONS, _STANDIN_OPTION),
+    ),
 }
 
 
@@ -50,12 +65,14 @@ def resolve(a: Options, p: Preset) -> dict[str, Any]:
     if p.smoke:
         presets = {
             name: HFSizes(model, [16], [1], [2], 1, 0, 2, True)
-            for name, model in (("hf-45m", "tiny-2L"), ("hf-300m", "qwen35-moe-2L"))
+            for name, model in (("hf-45m", "tiny-2L"), ("hf-300m", "qwen35-moe-2L"), ("hf-0.8b", "tiny-2L"))
         }
     else:
+        standin = os.path.expanduser(a.get("standin") or STANDIN_DIR)
         presets = {
             "hf-45m": HFSizes("qwen3-next-h512", [128, 1024, 2048], [1, 8], [4], 3, 1, 2, False),
             "hf-300m": HFSizes("qwen35-moe-h1024", [128], [1, 8], [4], 3, 1, 2, False),
+            "hf-0.8b": HFSizes(standin, [256], [1, 4], [4], 3, 1, 2, False, dtype="checkpoint"),
         }
     given = {
         "prefill_lens": a.get("wide_prefill_lens"),
@@ -74,15 +91,22 @@ def resolve(a: Options, p: Preset) -> dict[str, Any]:
 
 
 def run(name: str, s: Settings) -> dict:
-    """Section `name` (hf, hf-45m or hf-300m); skipped, with the reason, when the HF venv is not ready."""
+    """Section `name` (hf, hf-45m, hf-300m or hf-0.8b); skipped, with the reason, when the HF venv is not
+    ready or (hf-0.8b) the stand-in has not been built."""
     from benchmarks import vs_hf
     from benchmarks.hf_env import ensure_hf_venv
+
+    section = s.hf_section(name)
+    if section.dtype == "checkpoint" and not os.path.isfile(os.path.join(section.model, "config.json")):
+        why = f"no checkpoint at {section.model} (build it: bash scripts/make_release_standin.sh)"
+        log(f"HF comparison skipped: {why}")
+        return {"skipped": why}
 
     python, why = ensure_hf_venv(create=s.hf_create)
     if python is None:
         log(f"HF comparison skipped: {why}")
         return {"skipped": why}
-    return vs_hf.run(s.hf_section(name), python)
+    return vs_hf.run(section, python)
 
 
 def _b2b(c: dict, key: str) -> str:
@@ -202,7 +226,7 @@ def table(r: dict) -> Table:
     return Table(
         f"{r['model']}{params}: JAX engine vs HF transformers {hf['transformers']} (torch {hf['torch']}, "
         f"{hf['attn_implementation']} attention, {hf['experts_implementation']} experts, {hf['threads']} thread(s)), "
-        "CPU float32",
+        f"CPU {r.get('dtype', 'float32')}",
         notes=tuple(notes),
         grids=tuple(grids),
     )

@@ -48,12 +48,15 @@ class Part:
 class Recording:
     """What one run recorded: the parts after the prefill, the parts after each step, and per-step wall times
     (`enqueue_ms`: the forward call alone; `step_ms`: the whole step, verdict and propose
-    included)."""
+    included). `settled`: per step index, parts already compared with the reference's as they were
+    recorded (`settle`), held as their `PartDiff`s instead of their arrays; `compare` counts them
+    after the step's other parts."""
 
     prefill: list[Part]
     steps: list[list[Part]] = dataclasses.field(default_factory=list)
     enqueue_ms: list[float] = dataclasses.field(default_factory=list)
     step_ms: list[float] = dataclasses.field(default_factory=list)
+    settled: dict[int, Settled] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +209,20 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """A step's parts compared at the time they were recorded: their diffs under `contract`."""
+
+    contract: Contract
+    diffs: list[PartDiff]
+
+
+def settle(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> Settled:
+    """`ref` against `got` now (`diff_parts`), so that neither side's arrays need be kept: a lock-step
+    pair of runs that would otherwise hold both sides' copies of every step's parts."""
+    return Settled(contract, diff_parts(ref, got, contract))
+
+
 def diff_parts(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> list[PartDiff]:
     """`diff_part` over two part lists; a missing or extra part is a structural violation."""
     out = [diff_part(x, y, contract) for x, y in zip(ref, got)]
@@ -252,6 +269,12 @@ def compare(variant: str, reference: Recording, run: Recording, contract: Contra
     max_abs, max_ulp, argmax_equal, prefill_equal = 0.0, None, True, True
     for step, a, b in units:
         diffs = diff_parts(a, b, contract)
+        if isinstance(step, int) and step in run.settled:
+            if run.settled[step].contract != contract:
+                raise ValueError(
+                    f"step {step} was settled under {run.settled[step].contract}, compared under {contract}"
+                )
+            diffs += run.settled[step].diffs
         nbytes = sum(d.differing_bytes for d in diffs)
         if step == "prefill":
             prefill_equal = nbytes == 0

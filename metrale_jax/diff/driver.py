@@ -4,7 +4,8 @@ Owns: the warm-up (`diff_programs`: the part of the engine's program list a requ
 for the reference forward before the first step), the dispatch of a request
 to its mode driver, the report's common fields (mode, steps, provenance, the engine's settings,
 the variants with their disclosure, the warm-up's seconds and the programs compiled after it)
-and the verdict.
+the verdict and the memory it held (`footprint`: one copy of the weights and one pool, whichever
+variants ran, and the process's peak resident set).
 
 The engine is a parameter (built by the command, or by a test that injects a subclass) and so
 are the variants (the command passes `default_variants()`; tests add planted-bug forwards).
@@ -26,6 +27,7 @@ import jaxlib
 
 from metrale_jax import runtime_env
 from metrale_jax.diff.decode import diff_prompts, diff_swap, diff_widths
+from metrale_jax.diff.footprint import footprint
 from metrale_jax.diff.prefill import diff_prefill
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.request import DiffRequest, DiffRequestError
@@ -149,4 +151,5 @@ def run_diff(
         "wall_s": round(time.perf_counter() - t0, 3),
         "warmup_s": round(warm_seconds, 3),
         "compiled_after_warmup": engine.programs.compilations - warmed,
+        "memory": footprint(engine),
     }

@@ -16,7 +16,8 @@ the drafts and their confidences.
 The `fused` variant's step (`run_fused`): from one copy of the pool and of the host state, the
 composed step above, then `Engine.speculative_step` on the same rows; each side's parts are the
 ones above, then the accepted counts, the emitted tokens, the lengths and every pool leaf (junk
-included), compared byte for byte. The run continues from the fused side.
+included), compared byte for byte (the pool leaves as the step is recorded, `compare.settle`: a run
+holds their diffs, not 2 x steps copies of the pool). The run continues from the fused side.
 
 Invariants:
 - The reference's drafts are each sequence's greedy continuation (plain greedy decoding of the
@@ -50,7 +51,16 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from metrale_jax.diff.compare import BIT_IDENTICAL, Comparison, Part, Recording, compare, saw_difference, timing
+from metrale_jax.diff.compare import (
+    BIT_IDENTICAL,
+    Comparison,
+    Part,
+    Recording,
+    compare,
+    saw_difference,
+    settle,
+    timing,
+)
 from metrale_jax.diff.decode import run_decode
 from metrale_jax.diff.oracle import broke_from, oracle_comparison
 from metrale_jax.diff.progress import SILENT, Progress
@@ -201,6 +211,7 @@ def run_fused(
             parts = _step_parts(logits, proposed)
             composed.step_ms.append((time.perf_counter() - t0) * 1e3)
             composed.steps.append(parts + _outcome(engine, seqs, na, emitted))
+            composed_pool = pool_parts(engine.pool)
             engine.pool = pool
             for q, (seq_len, toks, drafter_len, drafted) in zip(seqs, host):
                 q.seq_len, q.tokens, q.drafter_len, q.last_num_drafted = seq_len, toks, drafter_len, drafted
@@ -212,6 +223,9 @@ def run_fused(
             parts = _step_parts(out.verify_logits, (out.drafts, out.confidences, out.draft_logits) if nd else None)
             emitted = [t for e in out.emitted for t in e]
             fused.steps.append(parts + _outcome(engine, seqs, [int(a) for a in out.accepted], emitted))
+            # NOTE: the two pools are compared now and only their diffs kept: both sides' whole pools
+            # at every step would be 2 x steps pools (the 0.8B stand-in's: past 12 GB at 8 steps).
+            fused.settled[s] = settle(composed_pool, pool_parts(engine.pool), BIT_IDENTICAL)
             progress.advance()
     composed.enqueue_ms, fused.enqueue_ms = composed.step_ms, fused.step_ms
     return composed, fused
@@ -231,13 +245,12 @@ def _step_parts(verify_logits, proposed) -> list[Part]:
 
 
 def _outcome(engine, seqs, accepted: Sequence[int], emitted: Sequence[int]) -> list[Part]:
-    """A lock-step side's verdict, host lengths and whole pool as parts."""
+    """A lock-step side's verdict and host lengths as parts (its whole pool: `settle`d apart)."""
     lengths = np.asarray([[q.seq_len, q.drafter_len] for q in seqs], np.int32)
     return [
         Part("accepted", np.asarray(accepted, np.int32), "tokens"),
         Part("emitted", np.asarray(emitted, np.int32), "tokens"),
         Part("seq_len, drafter_len", lengths, "tokens"),
-        *pool_parts(engine.pool),
     ]
 
 
