@@ -14,7 +14,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from conftest import settings
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from metrale_jax.engine.batching import step_batch
 from metrale_jax.engine.capacity import pool_counts

@@ -50,7 +50,7 @@ def test_the_swap_control_reaches_the_first_step_after_the_spill_at_every_steps(
         at = steps // 2
         ref = run_decode(engine, [prompt], at + 1, spill=Spill(at))
         changed, _ = perturbed(ref.records[0])
-        run = run_decode(engine, [prompt], at + 1, tokens=ref.tokens, spill=Spill(at, lambda own: [changed]))
+        run = run_decode(engine, [prompt], at + 1, tokens=ref.tokens, spill=Spill(at, lambda own, c=changed: [c]))
         before, after = (
             [bool((a[0].data != b[0].data).any()) for a, b in zip(ref.run.steps[s], run.run.steps[s])]
             for s in (slice(0, at), slice(at, at + 1))

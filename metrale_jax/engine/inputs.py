@@ -14,8 +14,8 @@ therefore build one tree structure, one set of shapes and dtypes per program.
 Padding, stated here only: a padding sequence addresses the dummy slot (`counts.dummy_slot`), the
 null KV and drafter blocks, and the verify dummy's slot and h rows (0 in a step that does not
 verify); it has no rows (length 0, so every position is -1), its tokens (and a real sequence's
-rows past its length) are `PAD_TOKEN`, its row_index entries and stash rows are 0, its propose is invalid at seq_len 1, and its verdict keeps the live state (rows == ks == 1,
-no restore).
+rows past its length) are `PAD_TOKEN`, its row_index entries and stash rows are 0, its propose
+is invalid at seq_len 1, and its verdict keeps the live state (rows == ks == 1, no restore).
 
 Invariants:
 - Leaves are int32 (bool where a field says so); each field's comment gives its shape, in
