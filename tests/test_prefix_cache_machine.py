@@ -9,6 +9,7 @@ every rule the manager is checked against a plain model:
   cached, and never two of these;
 - reference counts: a cached block's count is the number of live sequences mapping it, and the
   LRU holds exactly the cached blocks no sequence maps;
+- LRU order: whatever eviction uncaches is the oldest-released part of the model's LRU;
 - namespace isolation: a share hands a sequence only blocks cached from its own namespace.
 `test_a_planted_lru_refcount_or_namespace_bug_is_found_quickly` plants each bug class and requires the
 machine to find it within its deadline.
@@ -86,17 +87,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return {b for b in range(pool.total) if cache.cached(b)}
 
     def _sync(self, namespace: str | None = None) -> None:
-        """After a rule: evicted blocks leave the model; newly cached blocks take `namespace`;
-        blocks no sequence maps any more join the LRU in release order.
-        NOTE: the eviction order is not asserted: an exact order model (every acquire, release and
-        eviction inside one rule) is unfinished; the invariants check the LRU's contents."""
+        """After a rule: what eviction uncached must be the oldest of the model's LRU; newly cached
+        blocks take `namespace`; blocks a sequence maps again (acquired) leave the LRU.
+        NOTE: only cached blocks are pruned as held before the order check: an evicted block may
+        already be some sequence's own block again (the reservation that evicted it took it)."""
         for which, (pool, _, _) in self.pools.items():
             cached, held = self._cached(which), set(self._held(which))
-            pool.lru = [b for b in pool.lru if b not in held]  # acquired: out of the LRU
+            pool.lru = [b for b in pool.lru if not (b in held and b in cached)]
             gone = [b for b in pool.namespace if b not in cached]
+            assert set(gone) == set(pool.lru[: len(gone)]), f"{which}: evicted {gone}, LRU order {pool.lru}"
             for b in gone:
                 del pool.namespace[b]
-                pool.lru = [x for x in pool.lru if x != b]
+                pool.lru.remove(b)
             for b in sorted(cached - set(pool.namespace)):
                 assert namespace is not None, f"{which} block {b} cached outside a prefill"
                 pool.namespace[b] = namespace
