@@ -2,13 +2,14 @@
 
 Owns: `pressure_leg` (one run, reference forward) and its report entry.
 
-The run: a primer prefills the prompt in a private namespace and is freed (its full blocks wait
+The run starts from an empty LRU (every unreferenced cached block evicted), so its evictions
+reach its own blocks. A primer prefills the prompt in a private namespace and is freed (its full blocks wait
 unreferenced in the LRU); the held sequence prefills the prompt plus a tail, restoring it (so it
 references those blocks again), and stays live across every step. The trunk KV free list is then
 squeezed to exactly what one more prompt needs (the rest held aside for the run), so from the
 second step on every fresh prefill must evict the previous step's cached blocks. Each step
 prefills another prompt of the same length in the same namespace and frees it. Then a sequence
-of another namespace prefills the prompt, before the steps (while the prompt's snapshot is
+of another namespace prefills the held sequence's tokens, before the steps (while the prompt's snapshot is
 still cached) and after them.
 
 Invariants (each a FAIL reason when broken):
@@ -59,8 +60,9 @@ def _sequence(engine: Engine, namespace: str):
 
 
 def _other_namespace(engine: Engine, prompt: Sequence[int], held, where: str, reasons: list[str]) -> dict:
-    """Prefill `prompt` in a fresh namespace: it must restore nothing and map none of `held`'s
-    blocks (appends to `reasons` otherwise). Returns {restored_at, shared_blocks}."""
+    """Prefill `prompt` (the held sequence's own tokens) in a fresh namespace: it must restore
+    nothing and map none of `held`'s blocks (appends to `reasons` otherwise). Returns
+    {restored_at, shared_blocks}."""
     with _sequence(engine, private_namespace()) as foreign:
         engine.prefill(foreign, prompt)
         leaked = sorted(set(foreign.blocks) & set(held.blocks))
@@ -71,6 +73,16 @@ def _other_namespace(engine: Engine, prompt: Sequence[int], held, where: str, re
         return {"restored_at": foreign.restored_at, "shared_blocks": len(leaked)}
 
 
+def _flush(engine: Engine) -> int:
+    """Evict every unreferenced cached block of both pools, so the leg's evictions reach its own
+    blocks (not older runs'). Returns the trunk blocks evicted."""
+    blocks, cache = engine.blocks, engine.blocks.prefix
+    assert cache is not None
+    n = cache.kv.evictable
+    blocks.make_room(blocks.kv.free_count + n, blocks.draft.free_count + cache.draft.evictable)
+    return n
+
+
 def pressure_leg(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> tuple[dict, list[str]]:
     """The pressure run over `prompt` (module docstring). Returns (entry, reasons)."""
     cache = engine.blocks.prefix
@@ -79,6 +91,7 @@ def pressure_leg(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> 
     need = math.ceil((n + 1) / engine.counts.block_size)
     reasons, evictions = [], []
     where = f"prefill cached L={n} under pressure"
+    flushed = _flush(engine)
     with _sequence(engine, ns) as primer:
         engine.prefill(primer, prompt)
     with _sequence(engine, ns) as held:
@@ -86,7 +99,7 @@ def pressure_leg(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> 
         if not held.restored_at:
             reasons.append(f"{where}: the held sequence did not restore the primed prompt")
         before = state_parts(engine.cfg, engine.save_sequence_state(held))
-        isolated = [_other_namespace(engine, prompt, held, where, reasons)]
+        isolated = [_other_namespace(engine, list(held.tokens), held, where, reasons)]
         with squeezed(engine, need) as aside:
             for step in range(PRESSURE_STEPS):
                 e0 = cache.kv.evictions
@@ -95,7 +108,7 @@ def pressure_leg(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> 
                 evictions.append(cache.kv.evictions - e0)
                 if step and not evictions[-1]:
                     reasons.append(f"{where}: step {step} evicted nothing (the cache was not under pressure)")
-            isolated.append(_other_namespace(engine, prompt, held, where, reasons))
+            isolated.append(_other_namespace(engine, list(held.tokens), held, where, reasons))
         after = state_parts(engine.cfg, engine.save_sequence_state(held))
         restored_at = held.restored_at
     changed = [p.name for p, d in zip(before, diff_parts(before, after, BIT_IDENTICAL)) if d.differing_bytes]
@@ -104,6 +117,7 @@ def pressure_leg(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> 
     entry = {
         "tokens": n,
         "held_restored_at": restored_at,
+        "blocks_flushed": flushed,
         "blocks_held_aside": aside,
         "evictions_per_step": evictions,
         "held_state_equal": not changed,
