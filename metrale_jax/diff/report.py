@@ -172,6 +172,11 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
         if cached:
             title = "prefill cached leg: prime L, then L + the tail in its namespace: restored vs computed"
             extra = [f"  first differing state: {c['variant']}: {c['state_diff']}" for c in cached if c["state_diff"]]
+            extra += [
+                f"  under pressure L={e['tokens']}: evictions per step {e['evictions_per_step']}, held state "
+                f"{'equal' if e['held_state_equal'] else 'CHANGED'}, other namespace {e['other_namespace']}"
+                for e in report.get("pressure", [])
+            ]
             out.append((title, cached, None, extra))
         if "cached_skipped" in report:
             out[-1][3].append(f"  cached leg skipped: {report['cached_skipped']}")
