@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import settings
+from diff_mutants import planted_coverage
 
 from metrale_jax.diff.decode import Spill, run_decode
 from metrale_jax.diff.prompts import prompt_of_len
@@ -28,6 +29,21 @@ def engine(tiny):
 def _differing(a, b) -> list[str]:
     assert [p.name for p in a] == [p.name for p in b]
     return [p.name for p, q in zip(a, b) if p.data.shape != q.data.shape or p.data.tobytes() != q.data.tobytes()]
+
+
+def _swapped_and_twin(engine):
+    prompt, steps, at = prompt_of_len(21, engine.cfg.vocab_size), 6, 3
+    swapped = run_decode(engine, [prompt], steps, spill=Spill(at), final=True)
+    twin = run_decode(engine, [prompt], steps, tokens=swapped.tokens, final=True)
+    return swapped, twin
+
+
+def test_a_record_missing_the_partial_drafter_block_fails_by_name(engine):
+    with planted_coverage(engine, "swap-drops-partial-drafter-block"):
+        swapped, twin = _swapped_and_twin(engine)
+    cfg = engine.cfg
+    differing = _differing(state_parts(cfg, twin.final[0]), state_parts(cfg, swapped.final[0]))
+    assert differing and differing[0].startswith("mtp layer 0 kv"), differing
 
 
 def test_a_restored_sequence_owns_the_never_swapped_twins_bytes(engine):
