@@ -9,8 +9,8 @@ references those blocks again), and stays live across every step. The trunk KV f
 squeezed to exactly what one more prompt needs (the rest held aside for the run), so from the
 second step on every fresh prefill must evict the previous step's cached blocks. Each step
 prefills another prompt of the same length in the same namespace and frees it. Then a sequence
-of another namespace prefills the held sequence's tokens, before the steps (while the prompt's snapshot is
-still cached) and after them.
+of another namespace prefills the held sequence's tokens, before the steps (while the prompt's
+snapshot is still cached) and after them (the squeeze released).
 
 Invariants (each a FAIL reason when broken):
 - every step after the first evicts (the pressure is real);
@@ -32,6 +32,7 @@ from metrale_jax.diff.prompts import prompt_of_len
 from metrale_jax.diff.slot_layout import private_namespace
 from metrale_jax.diff.state import state_parts
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sequences import EngineError
 
 #: Prompts the squeezed cache sees after A's.
 PRESSURE_STEPS = 3
@@ -84,7 +85,15 @@ def _flush(engine: Engine) -> int:
 
 
 def pressure_leg(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> tuple[dict, list[str]]:
-    """The pressure run over `prompt` (module docstring). Returns (entry, reasons)."""
+    """The pressure run over `prompt` (module docstring). Returns (entry, reasons); an engine
+    refusal inside the run (a bookkeeping bug can exhaust the blocks) is a reason, not a crash."""
+    try:
+        return _pressure_run(engine, prompt, tail)
+    except EngineError as e:
+        return {"tokens": len(prompt), "error": str(e)}, [f"prefill cached L={len(prompt)} under pressure: {e}"]
+
+
+def _pressure_run(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> tuple[dict, list[str]]:
     cache = engine.blocks.prefix
     assert cache is not None, "the pressure leg needs prefix caching"
     vocab, n, ns = engine.cfg.vocab_size, len(prompt), private_namespace()
@@ -108,7 +117,7 @@ def pressure_leg(engine: Engine, prompt: Sequence[int], tail: Sequence[int]) -> 
                 evictions.append(cache.kv.evictions - e0)
                 if step and not evictions[-1]:
                     reasons.append(f"{where}: step {step} evicted nothing (the cache was not under pressure)")
-            isolated.append(_other_namespace(engine, list(held.tokens), held, where, reasons))
+        isolated.append(_other_namespace(engine, list(held.tokens), held, where, reasons))
         after = state_parts(engine.cfg, engine.save_sequence_state(held))
         restored_at = held.restored_at
     changed = [p.name for p, d in zip(before, diff_parts(before, after, BIT_IDENTICAL)) if d.differing_bytes]
