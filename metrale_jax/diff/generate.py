@@ -44,13 +44,14 @@ class _ChangedDraft(DraftSchedule):
     """A schedule whose cut bumps the first draft the `at`-th time it cuts (the control)."""
 
     at: int = 0
-    calls: list[int] = dataclasses.field(default_factory=lambda: [0])
+    vocab: int = 1
+    calls: list[int] = dataclasses.field(default_factory=lambda: [0], compare=False, hash=False)
 
     def cut(self, drafts, confidences, keep):
         out, conf = super().cut(drafts, confidences, keep)
         self.calls[0] += 1
         if self.calls[0] - 1 == self.at and out:
-            out = [out[0] + 1] + out[1:]
+            out = [(out[0] + 1) % self.vocab] + out[1:]
         return out, conf
 
 
@@ -84,7 +85,7 @@ def diff_generate(engine, *, steps: int, confidence_stop: float | None, progress
         runs[path] = speculative_generate(engine, prompts, steps, schedule, fused=fused)
         progress.advance()
     at = len(runs["composed"].steps) // 2
-    changed = _ChangedDraft(s.num_drafts, s.k_ladder, confidence_stop, at=at)
+    changed = _ChangedDraft(s.num_drafts, s.k_ladder, confidence_stop, at=at, vocab=engine.cfg.vocab_size)
     control = speculative_generate(engine, prompts, steps, changed, fused=False)
     progress.advance()
     reasons = []
