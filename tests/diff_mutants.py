@@ -25,6 +25,7 @@ import numpy as np
 
 from metrale_jax.diff import Variant
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.speculative import DraftSchedule
 
 MUTANTS = {
     "mutant-fold-row": "the GDN fold picks the wrong row",
@@ -202,12 +203,14 @@ def stash_error(engine, prompt) -> float:
 
 
 #: Bugs of the classes the diff was blind to (issue 49), planted with `planted_coverage`: in the
-#: prefix cache's host bookkeeping (instance methods of the engine's own `PrefixCache`) or in the
-#: swap record (`save_sequence_state`). Every run on the engine runs them while planted.
+#: prefix cache's host bookkeeping (instance methods of the engine's own `PrefixCache`), in the
+#: swap record (`save_sequence_state`) or in the scheduler's draft cut (`DraftSchedule.cut`, the
+#: class: every schedule while planted). Every run on the engine runs them while planted.
 COVERAGE_MUTANTS = {
     "lru-keeps-referenced": "a cached block referenced again stays in the LRU (eviction frees a mapped block)",
     "keys-ignore-namespace": "the prefix cache's hash chain ignores the namespace",
     "swap-drops-partial-drafter-block": "a swap record holds one drafter block too few (its last, partial one)",
+    "stop-keeps-one-below": "the confidence stop keeps the first draft below the stop",
 }
 
 
@@ -223,8 +226,16 @@ def _acquire_keeps_lru(cache):
 def planted_coverage(engine, name: str):
     """Plant `COVERAGE_MUTANTS[name]` in `engine` (any `Engine`) for the block."""
     assert name in COVERAGE_MUTANTS, name
-    prefix, save = engine.blocks.prefix, engine.save_sequence_state
-    if name == "lru-keeps-referenced":
+    prefix, save, cut = engine.blocks.prefix, engine.save_sequence_state, DraftSchedule.cut
+    if name == "stop-keeps-one-below":
+
+        def keeps_one_below(self, drafts, confidences, keep):
+            kept = cut(self, drafts, confidences, keep)[0]
+            n = min(len(kept) + 1, keep)
+            return [int(x) for x in drafts[:n]], [float(x) for x in confidences[:n]]
+
+        DraftSchedule.cut = keeps_one_below  # type: ignore[method-assign]
+    elif name == "lru-keeps-referenced":
         assert prefix is not None
         prefix.kv.acquire = _acquire_keeps_lru(prefix.kv)
     elif name == "keys-ignore-namespace":
@@ -247,3 +258,4 @@ def planted_coverage(engine, name: str):
             for owner, attr in ((prefix.kv, "acquire"), (prefix, "kv_keys"), (prefix, "draft_keys")):
                 owner.__dict__.pop(attr, None)
         engine.__dict__.pop("save_sequence_state", None)
+        DraftSchedule.cut = cut  # type: ignore[method-assign]

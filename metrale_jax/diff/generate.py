@@ -11,6 +11,7 @@ given. Compared:
 - the composed and fused step records are equal: active sequences, K, accepted counts, drafts
   and the drafts' confidences bit for bit (float32 bits), so a confidence stop cuts both paths at
   the same draft;
+- with a confidence stop, no verified draft's confidence lies below it;
 - the control changes one draft of the composed run (the first draft of sequence 0 at the middle
   step, bumped by one): its step records must differ from the fused run's while its tokens stay
   greedy's (the verify rejects the changed draft).
@@ -97,6 +98,16 @@ def diff_generate(engine, *, steps: int, confidence_stop: float | None, progress
         reasons.append(
             f"generate: composed and fused step records differ first at step {first['step']} ({first['field']})"
         )
+    if confidence_stop is not None:
+        below = [
+            (path, i)
+            for path, r in runs.items()
+            for i, x in enumerate(r.steps)
+            if any(c < confidence_stop for cs in x.confidences for c in cs)
+        ]
+        if below:
+            path, i = below[0]
+            reasons.append(f"generate, {path}: step {i} verifies a draft below the confidence stop")
     seen = _first_step_difference(control.steps, runs["fused"].steps)
     if seen is None:
         reasons.append("generate: the detection control (one draft changed) saw no difference in the step records")
