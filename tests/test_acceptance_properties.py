@@ -6,10 +6,13 @@ ragged batch the engine builds (`batching.step_batch`), argmaxes drawn with weig
 (0, the last id) that a value-gated bug needs. The padding sentinel (`inputs.PAD_TOKEN`) must never
 agree with an argmax, so acceptance that strays one column past a sequence's rows (the planted
 `mutant-accept-past-lens`) still counts right: the collision of a padding token with an argmax of 0
-cannot happen.
+cannot happen. The confidence stop (`DraftSchedule.cut`) keeps exactly the drafts before the first
+below it.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +25,7 @@ from metrale_jax.engine.batching import step_batch
 from metrale_jax.engine.capacity import pool_counts
 from metrale_jax.engine.inputs import PAD_TOKEN, StepBatch
 from metrale_jax.engine.sequences import SequenceState
-from metrale_jax.engine.speculative import accepted_drafts
+from metrale_jax.engine.speculative import DraftSchedule, accepted_drafts
 from metrale_jax.engine.transitions import _grid, greedy_accepts
 from metrale_jax.presets import resolve_checkpoint
 
@@ -97,3 +100,30 @@ def test_a_full_accept_below_k_max_cannot_collide_with_padding(batch):
     want = [len(r) - 1 for r in rows]
     assert _device_accepts(rows, argmax).tolist() == want
     assert _device_accepts(rows, argmax, accepts_past_lens).tolist() == want
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(-8.0, 0.0, width=32), min_size=1, max_size=4),
+    st.floats(-8.0, 0.0, width=32),
+    st.integers(0, 4),
+)
+def test_the_confidence_stop_keeps_exactly_the_drafts_before_the_first_below_it(confidences, stop, keep):
+    conf = np.asarray(confidences, np.float32)
+    drafts = np.arange(len(conf), dtype=np.int32) + 7
+    kept, kept_conf = DraftSchedule(4, None, stop).cut(drafts, conf, keep)
+    n = len(kept)
+    assert kept == drafts[:n].tolist() and n <= min(keep, len(conf))
+    assert all(c >= stop for c in kept_conf), "no kept draft lies below the stop"
+    assert n == min(keep, len(conf)) or conf[n] < stop, "a draft is cut only at the first below the stop"
+
+
+def test_the_planted_stop_mutant_keeps_a_draft_below_the_stop():
+    from diff_mutants import planted_coverage
+
+    engine = SimpleNamespace(blocks=SimpleNamespace(prefix=None), save_sequence_state=None)
+    conf = np.asarray([-1.0, -5.0, -1.0], np.float32)
+    with planted_coverage(engine, "stop-keeps-one-below"):
+        kept, _ = DraftSchedule(3, None, -2.0).cut(np.arange(3), conf, 3)
+    assert kept == [0, 1]
+    assert DraftSchedule(3, None, -2.0).cut(np.arange(3), conf, 3)[0] == [0]
