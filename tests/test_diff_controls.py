@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import settings
 
-from metrale_jax.diff import DiffRequest, Variant, run_diff
+from metrale_jax.diff import DiffRequest, DiffRequestError, Variant, run_diff
 from metrale_jax.diff.decode import Spill, run_decode
 from metrale_jax.diff.prompts import prompt_of_len, prompts
 from metrale_jax.diff.state import perturbed, state_parts
@@ -63,3 +63,16 @@ def test_swap_passes_with_every_control_firing(engine, steps):
     report = run_diff(engine, DiffRequest(steps=steps, swap=True), [Variant("xla-repeat", "xla")])
     assert report["verdict"] == "PASS", report["reasons"]
     assert report["controls"] and all(c["saw_difference_after"] for c in report["controls"])
+
+
+def test_generate_requests_are_checked():
+    with pytest.raises(DiffRequestError, match="--confidence-stop applies to --generate"):
+        DiffRequest(steps=4, confidence_stop=-1.0).check()
+    with pytest.raises(DiffRequestError, match="separate diffs"):
+        DiffRequest(steps=4, generate=True, swap=True).check()
+    DiffRequest(steps=4, generate=True, confidence_stop=-1.0).check()
+
+
+def test_generate_needs_the_mtp_scheduler(engine):
+    with pytest.raises(DiffRequestError, match="--generate runs the MTP scheduler"):
+        DiffRequest(steps=4, generate=True).check_engine(engine)
