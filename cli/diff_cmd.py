@@ -99,6 +99,10 @@ def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> Eng
 @click.option("--prefill-chunk", help="The chunk sizes C,.. of --prefill.")
 @click.option("--swap", is_flag=True, help="Mode: spill the sequence halfway, free, re-allocate, restore, continue.")
 @click.option(
+    "--generate", is_flag=True, help="Mode: the speculative scheduler (composed, fused) against greedy decoding."
+)
+@click.option("--confidence-stop", type=float, help="--generate: cut drafts below this log-confidence.")
+@click.option(
     "--forwards", help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}]."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the summary.")
@@ -122,6 +126,8 @@ def diff(
     prefill,
     prefill_chunk,
     swap,
+    generate,
+    confidence_stop,
     forwards,
     as_json,
     temperature,
@@ -134,7 +140,7 @@ def diff(
     """Run the engine's reference forward (xla), replay its exact inputs under every other
     forward (xla-repeat, pallas), and compare every step's logits (and drafter output, and
     state) byte for byte, with a detection control. Modes: default (decode), --batch,
-    --verify, --verify-batch, --prefill, --swap. Exit 1 on FAIL."""
+    --verify, --verify-batch, --prefill, --swap, --generate. Exit 1 on FAIL."""
     request = DiffRequest(
         steps=steps,
         prompts=n_prompts,
@@ -148,6 +154,8 @@ def diff(
         prefill_chunk=_ints("--prefill-chunk", prefill_chunk),
         swap=swap,
         sampling=parse_sampling(temperature, top_k, top_p, min_p, seed),
+        generate=generate,
+        confidence_stop=confidence_stop,
     )
     request.check()
     sink = OutputFile(out)

@@ -18,6 +18,7 @@ diff's reference always runs `xla`); a shared one in every run until `planted` e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import numpy as np
 
 from metrale_jax.diff import Variant
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.speculative import DraftSchedule
 
 MUTANTS = {
     "mutant-fold-row": "the GDN fold picks the wrong row",
@@ -229,3 +231,62 @@ def stash_error(engine, prompt) -> float:
     finally:
         engine.free_sequence(c)
         engine.free_sequence(a)
+
+
+#: Bugs of the classes the diff was blind to (issue 49), planted with `planted_coverage`: in the
+#: prefix cache's host bookkeeping (instance methods of the engine's own `PrefixCache`), in the
+#: swap record (`save_sequence_state`) or in the scheduler's draft cut (`DraftSchedule.cut`, the
+#: class: every schedule while planted). Every run on the engine runs them while planted.
+COVERAGE_MUTANTS = {
+    "lru-keeps-referenced": "a cached block referenced again stays in the LRU (eviction frees a mapped block)",
+    "keys-ignore-namespace": "the prefix cache's hash chain ignores the namespace",
+    "swap-drops-partial-drafter-block": "a swap record holds one drafter block too few (its last, partial one)",
+    "stop-keeps-one-below": "the confidence stop keeps the first draft below the stop",
+}
+
+
+def _acquire_keeps_lru(cache):
+    def acquire(blocks):
+        for b in blocks:
+            cache._refs[b] += 1
+
+    return acquire
+
+
+@contextlib.contextmanager
+def planted_coverage(engine, name: str):
+    """Plant `COVERAGE_MUTANTS[name]` in `engine` (any `Engine`) for the block."""
+    assert name in COVERAGE_MUTANTS, name
+    prefix, save, cut = engine.blocks.prefix, engine.save_sequence_state, DraftSchedule.cut
+    if name == "stop-keeps-one-below":
+
+        def keeps_one_below(self, drafts, confidences, keep):
+            kept = cut(self, drafts, confidences, keep)[0]
+            n = min(len(kept) + 1, keep)
+            return [int(x) for x in drafts[:n]], [float(x) for x in confidences[:n]]
+
+        DraftSchedule.cut = keeps_one_below  # type: ignore[method-assign]
+    elif name == "lru-keeps-referenced":
+        assert prefix is not None
+        prefix.kv.acquire = _acquire_keeps_lru(prefix.kv)
+    elif name == "keys-ignore-namespace":
+        assert prefix is not None
+        kv_keys, draft_keys = prefix.kv_keys, prefix.draft_keys
+        prefix.kv_keys = lambda namespace, tokens: kv_keys("", tokens)
+        prefix.draft_keys = lambda namespace, tokens: draft_keys("", tokens)
+    else:
+
+        def save_sequence_state(seq):
+            record = save(seq)
+            partial = record.drafter_len % engine.counts.draft_block_size
+            return dataclasses.replace(record, draft_blocks=record.draft_blocks - bool(partial))
+
+        engine.save_sequence_state = save_sequence_state
+    try:
+        yield
+    finally:
+        if prefix is not None:
+            for owner, attr in ((prefix.kv, "acquire"), (prefix, "kv_keys"), (prefix, "draft_keys")):
+                owner.__dict__.pop(attr, None)
+        engine.__dict__.pop("save_sequence_state", None)
+        DraftSchedule.cut = cut  # type: ignore[method-assign]

@@ -28,6 +28,7 @@ import jaxlib
 from metrale_jax import runtime_env
 from metrale_jax.diff.decode import diff_prompts, diff_swap, diff_widths
 from metrale_jax.diff.footprint import footprint
+from metrale_jax.diff.generate import GENERATE_WIDTH, diff_generate
 from metrale_jax.diff.prefill import diff_prefill
 from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.request import DiffRequest, DiffRequestError
@@ -63,7 +64,9 @@ def diff_programs(engine, request: DiffRequest) -> Callable[[Program], bool]:
     NOTE: the batches' widths only: a run over fewer sequences (the oracle's) compiles its
     program when it first runs, which the report counts."""
     widths = {bucket_width(n) for n in request.batch or request.verify_batch or (1,)}
-    nd = engine.settings.num_drafts if request.mtp else 0
+    if request.generate:  # the scheduler runs every width its sequences finish through
+        widths = {bucket_width(n) for n in range(1, GENERATE_WIDTH + 1)}
+    nd = engine.settings.num_drafts if request.mtp or request.generate else 0
 
     def keep(p: Program) -> bool:
         if p.name == "prefill":
@@ -133,6 +136,8 @@ def run_diff(
             fields, reasons = diff_prefill(
                 engine, variants, lengths=r.prefill, chunks=r.prefill_chunk, progress=progress
             )
+        elif r.mode == "generate":
+            fields, reasons = diff_generate(engine, steps=r.steps, confidence_stop=r.confidence_stop, progress=progress)
         else:
             fields, reasons = diff_swap(engine, variants, steps=r.steps, progress=progress)
     finally:

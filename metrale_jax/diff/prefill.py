@@ -20,6 +20,8 @@ Invariants:
   in the same namespace. It must restore (FAIL otherwise), and its logits and state must equal,
   byte for byte, the same forward's uncached prefill of the same tokens split at the restore
   position (a private namespace of its own: nothing to restore). Each entry names the path taken.
+  Then, reference forward, the same prompt under a cache too small for it (`pressure.pressure_leg`:
+  eviction every step, a held sequence's bytes unchanged, namespace isolation asserted).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from collections.abc import Sequence
 
 from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Recording, bounded, combine, compare, diff_parts
+from metrale_jax.diff.pressure import pressure_leg
 from metrale_jax.diff.progress import Progress
 from metrale_jax.diff.prompts import prompt_of_len
 from metrale_jax.diff.report import failure_line
@@ -117,7 +120,7 @@ def diff_prefill(
     forwards = [Variant(REFERENCE, REFERENCE)] + list(variants)
     paths = [("single", None)] + [(f"chunk {c}", c) for c in chunks]
     chunked = bounded(CHUNK_RTOL, "another chunking: other program shapes and GDN chunk boundaries")
-    sections, reasons, refs, cached = [], [], {}, []
+    sections, reasons, refs, cached, pressured = [], [], {}, [], []
     for length in lengths:
         prompt = prompt_of_len(length, vocab)
         progress.section(f"prefill L={length}", len(forwards) * len(paths))
@@ -159,6 +162,9 @@ def diff_prefill(
                     cached.append(entry)
                     reasons += [reason] if reason else []
                     progress.advance()
+            entry, why = pressure_leg(engine, prompt, tail)
+            pressured.append(entry)
+            reasons += why
     longest = max(lengths)
     prompt = prompt_of_len(longest, vocab)
     prompt[longest // 2] = (prompt[longest // 2] + 1) % vocab
@@ -171,7 +177,7 @@ def diff_prefill(
     )
     if control.prefill_equal:
         reasons.append("the prefill detection control saw no difference after changing a token")
-    fields = {"lengths": sections, "cached": cached, "detection_control": control.to_json()}
+    fields = {"lengths": sections, "cached": cached, "detection_control": control.to_json(), "pressure": pressured}
     if engine.blocks.prefix is None and longest >= CACHED_MIN_TOKENS:
         fields["cached_skipped"] = "the engine serves without --enable-prefix-caching"
     return fields, reasons

@@ -173,9 +173,33 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
         if cached:
             title = "prefill cached leg: prime L, then L + the tail in its namespace: restored vs computed"
             extra = [f"  first differing state: {c['variant']}: {c['state_diff']}" for c in cached if c["state_diff"]]
+            extra += [
+                f"  under pressure L={e['tokens']}: evictions per step {e['evictions_per_step']}, held state "
+                f"{'equal' if e['held_state_equal'] else 'CHANGED'}, other namespace {e['other_namespace']}"
+                for e in report.get("pressure", [])
+                if "error" not in e
+            ]
+            extra += [
+                f"  under pressure L={e['tokens']}: {e['error']}" for e in report.get("pressure", []) if "error" in e
+            ]
             out.append((title, cached, None, extra))
         if "cached_skipped" in report:
             out[-1][3].append(f"  cached leg skipped: {report['cached_skipped']}")
+    elif mode == "generate":
+        g = report["generate"]
+        control = g["detection_control"]["first_difference"]
+        extra = [
+            f"  {p}: {g['verify_steps'][p]} verify steps, {g['emitted_per_step'][p]} tokens per step, tokens "
+            f"{'equal' if g['tokens_equal_greedy'][p] else 'DIFFER'} to greedy"
+            for p in g["verify_steps"]
+        ]
+        extra += [
+            "  composed vs fused step records (drafts, confidences by bits): "
+            + ("equal" if g["first_difference"] is None else f"DIFFER at {g['first_difference']}"),
+            "  control: one draft changed: " + ("BLIND" if control is None else f"fired at step {control['step']}"),
+        ]
+        title = f"generate: {g['prompts']} prompts x {g['new_tokens']} tokens, stop {g['confidence_stop']}"
+        out = [(title, [], None, extra)]
     else:
         moves = "; ".join(f"slot {m['slot'][0]}->{m['slot'][1]}" for m in report["moves"])
         record = {(True, True): "equal", (False, True): "within", (False, False): "DIFFERS"}

@@ -22,7 +22,7 @@ from metrale_jax.errors import MetraleError
 
 #: `--prefill`'s cached leg runs for prompts of at least this many tokens, with a tail this long.
 CACHED_MIN_TOKENS, CACHED_TAIL = 256, 37
-MODES = ("default", "batch", "verify", "verify-batch", "prefill", "swap")
+MODES = ("default", "batch", "verify", "verify-batch", "prefill", "swap", "generate")
 K_RANGE = (2, 4)
 
 
@@ -46,6 +46,8 @@ class DiffRequest:
     prefill_chunk: tuple[int, ...] = ()
     swap: bool = False
     sampling: Sampling | None = None  # --temperature ... --seed: the verify modes sample (None: greedy)
+    generate: bool = False
+    confidence_stop: float | None = None
 
     def _modes_given(self) -> list[str]:
         """The non-default modes whose flag (`--<mode>`, the field of the same name) is set, in `MODES` order."""
@@ -87,6 +89,10 @@ class DiffRequest:
                 "--temperature samples the verify modes' tokens: give --verify or --verify-batch",
             ),
             (
+                self.confidence_stop is not None and not self.generate,
+                "--confidence-stop applies to --generate",
+            ),
+            (
                 self.swap and self.steps < 4,
                 f"--swap needs at least 4 steps (two each side of the spill), got {self.steps}",
             ),
@@ -113,7 +119,7 @@ class DiffRequest:
     def slots_needed(self) -> int:
         """Sequence slots the request holds at once (a swap holds a spacer and the restored)."""
         widest = max(self.batch or self.verify_batch or (1,))
-        return {"swap": 2}.get(self.mode, widest + int(self.fragment_slots))
+        return {"swap": 2, "generate": 3}.get(self.mode, widest + int(self.fragment_slots))
 
     def tokens_needed(self, num_drafts: int) -> int:
         """The longest sequence (in tokens, the KV block the next token opens included) any run
@@ -126,6 +132,8 @@ class DiffRequest:
             return max(self.prefill) + (CACHED_TAIL if max(self.prefill) >= CACHED_MIN_TOKENS else 0) + 2
         if self.ks:
             return prompt + self.steps * max(self.ks) + num_drafts + 3
+        if self.generate:  # batch_prompts(3): the longest is 26 tokens; a step may run num_drafts past the end
+            return 26 + self.steps + 2 * num_drafts + 3
         return prompt + self.steps + 2
 
     def check_engine(self, engine) -> None:
@@ -137,6 +145,10 @@ class DiffRequest:
             (bool(self.ks) and not s.speculative, f"{mode_flag} verifies drafts: it needs --speculative"),
             (k_top - 1 > s.num_drafts, f"{ks_flag} {k_top} needs --num-drafts >= {k_top - 1} (got {s.num_drafts})"),
             (self.mtp and not engine.drafter, "--mtp needs a checkpoint with an MTP layer and --speculative"),
+            (
+                self.generate and not engine.drafter,
+                "--generate runs the MTP scheduler: it needs a checkpoint with an MTP layer and --speculative",
+            ),
             (
                 self.slots_needed() > s.max_batch_size,
                 f"this diff holds {self.slots_needed()} sequences at once: it needs --max-batch-size >= "

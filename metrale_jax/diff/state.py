@@ -80,18 +80,52 @@ def digests(parts: list[Part]) -> list[dict]:
     return out
 
 
+def _flip(target: np.ndarray, index: tuple[int, ...]) -> None:
+    """Flip the top mantissa bit of `target[index]` in place (its value moves by a quarter to a
+    half); where that makes the value non-finite (fp8 e4m3's NaN pattern), the next bit down.
+    `target`: a C-contiguous array (a view of it would be copied by the reshape)."""
+    assert target.flags.c_contiguous
+    flat = target.reshape(-1).view(np.dtype(f"u{target.dtype.itemsize}"))
+    i = int(np.ravel_multi_index(index, target.shape))
+    top = ml_dtypes.finfo(target.dtype).nmant - 1
+    for bit in (top, top - 1):
+        flat[i] ^= flat.dtype.type(1 << bit)
+        if np.isfinite(target.reshape(-1)[i].astype(np.float64)):
+            return
+        flat[i] ^= flat.dtype.type(1 << bit)
+    raise AssertionError("no mantissa bit flips to a finite value")  # unreachable: the lower bit never makes a NaN
+
+
+def _largest(a: np.ndarray, at: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The index into `a` of the largest |value| (the first on ties) among the elements whose
+    indices on `axes` are `at`."""
+    lead = tuple(at[axes.index(d)] if d in axes else slice(None) for d in range(a.ndim))
+    sub = np.abs(a[lead].astype(np.float64))
+    rest = iter(np.unravel_index(int(sub.argmax()), sub.shape))
+    return tuple(at[axes.index(d)] if d in axes else int(next(rest)) for d in range(a.ndim))
+
+
 def perturbed(record: SwapRecord) -> tuple[SwapRecord, str]:
-    """A copy of `record` with the top mantissa bit of one live element flipped (its value moves
-    by a quarter to a half): the largest |value| of the first GDN layer's h, else the first
-    attention layer's first K element. Returns (record, where). NOTE: one ULP is too weak: the
-    model's rounding downstream can absorb it."""
+    """A copy of `record` with the top mantissa bit of one live element flipped in every place the
+    next decode reads: per GDN layer, the largest |h| of every value head and the largest element
+    of every conv-window column; per attention layer, the largest |K| of position 0. Returns
+    (record, where).
+    NOTE: one element is not enough: a head whose decay underflows to 0 forgets its state at the
+    next token, so a change there never reaches the logits (tiny's layer-0 heads 0 and 1: the
+    control chosen by `--steps 8` was blind). A state reaches the output through each head
+    that keeps it, the conv window through every channel's kernel, the KV through the scores of
+    every later query; a control changing all of them is blind only where the model ignores its
+    whole state. One ULP would be too weak: the model's rounding can absorb it."""
     dev = jax.tree_util.tree_map(np.array, record.device)  # writable copies
-    if dev.gdn_h.size:
-        target, name = dev.gdn_h[0], "gdn_h of the first GDN layer"
-        i = int(np.abs(target.astype(np.float64)).reshape(-1).argmax())
-    else:
-        target, name, i = dev.kv_k[0], "K of the first attention layer", 0
-    bit = ml_dtypes.finfo(target.dtype).nmant - 1
-    bits = target.reshape(-1).view(np.dtype(f"u{target.dtype.itemsize}"))
-    bits[i] ^= bits.dtype.type(1 << bit)
-    return dataclasses.replace(record, device=dev), f"{name}, element {i}, mantissa bit {bit}"
+    for layer in range(dev.gdn_h.shape[0]):
+        for head in range(dev.gdn_h.shape[1]):
+            _flip(dev.gdn_h, _largest(dev.gdn_h, (layer, head), (0, 1)))
+        for col in range(dev.gdn_conv.shape[2]):
+            _flip(dev.gdn_conv, _largest(dev.gdn_conv, (layer, col), (0, 2)))
+    for layer in range(dev.kv_k.shape[0]):
+        _flip(dev.kv_k, _largest(dev.kv_k, (layer, 0, 0), (0, 1, 2)))
+    where = (
+        f"top mantissa bit of the largest |h| of each head and conv column of {dev.gdn_h.shape[0]} GDN layers, "
+        f"K at position 0 of {dev.kv_k.shape[0]} attention layers"
+    )
+    return dataclasses.replace(record, device=dev), where

@@ -13,9 +13,9 @@ therefore build one tree structure, one set of shapes and dtypes per program.
 
 Padding, stated here only: a padding sequence addresses the dummy slot (`counts.dummy_slot`), the
 null KV and drafter blocks, and the verify dummy's slot and h rows (0 in a step that does not
-verify); it has no rows (length 0, so every position is -1), its row_index entries and stash rows
-are 0, its propose is invalid at seq_len 1, and its verdict keeps the live state (rows == ks == 1,
-no restore).
+verify); it has no rows (length 0, so every position is -1), its tokens (and a real sequence's
+rows past its length) are `PAD_TOKEN`, its row_index entries and stash rows are 0, its propose
+is invalid at seq_len 1, and its verdict keeps the live state (rows == ks == 1, no restore).
 
 Invariants:
 - Leaves are int32 (bool where a field says so); each field's comment gives its shape, in
@@ -45,6 +45,13 @@ from metrale_jax.engine.capacity import PoolCounts
 #: A leaf: host numpy when the engine builds it, a tracer inside a transition, a
 #: `jax.ShapeDtypeStruct` in the planner's abstract inputs.
 Array = Any
+
+
+#: The token of a step's padding rows: no real token id (0 .. vocab - 1) and no argmax equals it, so
+#: a comparison of drafts with argmaxes that strays past a sequence's rows can never agree there.
+#: NOTE: the embedding gathers it as the last id (jnp wraps negative indices); padding rows are junk
+#: that only the dummy slot and null blocks receive.
+PAD_TOKEN = -1
 
 
 def _full(shape: tuple[int, ...], value: int) -> np.ndarray:
@@ -175,7 +182,7 @@ class StepBatch(HostInput):
     def padded(cls, counts: PoolCounts, draft_width: int, b: int, t: int, *, verify: bool) -> StepBatch:
         """B padding sequences of T rows (verify addressing: the verify dummy's, else 0)."""
         return cls(
-            tokens=_full((b, t), 0),
+            tokens=_full((b, t), PAD_TOKEN),
             lens=_full((b,), 0),
             seq_lens=_full((b,), 0),
             slots=_full((b,), counts.dummy_slot),
