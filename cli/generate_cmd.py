@@ -93,7 +93,11 @@ def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
     help="With --speculative: one program per scheduler step (fused; the default under snapshot rollback) or "
     "the composed transitions (the default under replay rollback).",
 )
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    help="Weight/activation dtype [the checkpoint's own: config.json's dtype; presets float32].",
+)
 @serve_options
 @click.pass_context
 @user_errors

@@ -20,7 +20,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from metrale_jax.checkpoint import Binding, TensorRef, index_checkpoint, plan_load
+from metrale_jax.checkpoint import Binding, TensorRef, declared_dtype, index_checkpoint, plan_load
 from metrale_jax.config import ModelConfig, load_model_config
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.presets import PRESETS
@@ -28,8 +28,6 @@ from metrale_jax.presets_data import PRESET_DIRS
 
 #: The id prefix of the embedded presets (`metrale-jax/tiny`).
 PRESET_ORG = "metrale-jax"
-#: Dtypes the served weights may have, by config.json name.
-SERVED_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +46,9 @@ class ModelSource:
 
 
 def _declared_dtype(config_json: Path) -> str:
-    """The dtype config.json declares (top level or text_config); bfloat16 when it names none
+    """The dtype config.json declares (the loader's `declared_dtype`); bfloat16 when it names none
     this engine serves."""
-    raw = json.loads(config_json.read_text(encoding="utf-8"))
-    for table in (raw, raw.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            if table.get(key) in SERVED_DTYPES:
-                return table[key]
-    return "bfloat16"
+    return declared_dtype(json.loads(config_json.read_text(encoding="utf-8"))) or "bfloat16"
 
 
 def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:

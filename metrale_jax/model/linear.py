@@ -26,6 +26,7 @@ import numpy as np
 from flax import struct
 
 from kernels_cpu.rows_matmul.api import rows_matmul
+from metrale_jax.model.fp8_linear import Fp8BlockWeight, dense_weight
 
 # The device mesh's axes (`metrale_jax.engine.sharding` builds the mesh): heads, experts.
 TENSOR_AXIS = "tp"
@@ -161,6 +162,8 @@ def expert_weight(w, e):
     """Expert e's [out, in] weight of an [E, out, in] stack in either layout (a dynamic index)."""
     if isinstance(w, TransposedWeight):
         return TransposedWeight(jax.lax.dynamic_index_in_dim(w.t, e, keepdims=False))
+    if isinstance(w, Fp8BlockWeight):
+        return w.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, axis=a.ndim - 3, keepdims=False))
     return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
 
 
@@ -176,7 +179,9 @@ def with_expert(e, fn, stacks, *args):
 
 def linear(x, w):
     """x [..., in] @ w[out, in].T -> [..., out], in the activation dtype. An input-major weight's product of a
-    few rows runs the CPU rows kernel (`kernels_cpu.rows_matmul`; XLA's dot where it does not apply)."""
+    few rows runs the CPU rows kernel (`kernels_cpu.rows_matmul`; XLA's dot where it does not apply).
+    An FP8 block-scaled weight is dequantised inside the product (`fp8_linear.dense_weight`)."""
+    w = dense_weight(w, x.dtype)
     if isinstance(w, TransposedWeight):
         return rows_matmul(x, w.t)
     return jnp.einsum("...i,oi->...o", x, w)
@@ -187,6 +192,7 @@ def linear_per_expert(x, w):
     axis (each expert's C rows against its own weight)."""
     if isinstance(w, ExpertLeaves):
         return jnp.stack([linear(x[e], we) for e, we in enumerate(w.experts)])
+    w = dense_weight(w, x.dtype)
     if isinstance(w, TransposedWeight):
         return jnp.einsum("eci,eio->eco", x, w.t)
     return jnp.einsum("eci,eoi->eco", x, w)
@@ -199,6 +205,7 @@ def linear_all_experts(x, w):
     weight into another layout: it runs batched over the experts instead, the rows broadcast."""
     if isinstance(w, ExpertLeaves):
         return jnp.stack([linear(x, we) for we in w.experts], axis=-2)
+    w = dense_weight(w, x.dtype)
     if isinstance(w, TransposedWeight):
         e = w.t.shape[0]
         return jnp.swapaxes(linear_per_expert(jnp.broadcast_to(x, (e, *x.shape)), w), 0, 1)

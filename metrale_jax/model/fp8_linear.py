@@ -1,0 +1,80 @@
+"""FP8 block-scaled weights (the `quant_method: fp8` releases) and their products.
+
+Owns: `Fp8BlockWeight`, one projection leaf held as the checkpoint ships it (e4m3 values and one
+f32 scale per block), and `dense_weight`, the one point at which `metrale_jax.model.linear`'s
+products turn such a leaf into the activation dtype.
+
+Invariants:
+- `w ≈ q · scale[r // rows_per_scale, c // cols_per_scale]` for the first `q.shape[-2]` rows;
+  the leaf's remaining rows (`tail`, possibly none) are the rows the release keeps at full
+  precision (e.g. the GDN's `in_proj_b` / `in_proj_a`), stored as they are.
+- The model is never held dequantised: each product dequantises its own weight inside the step
+  program (a transient of that one product, in the activation dtype) and multiplies; between
+  products only the e4m3 values and the scales live.
+- The dequantised value is `(f32(q) * f32(scale))` cast to the activation dtype: what a CPU
+  reference that dequantises per block and multiplies in bf16/f32 computes (not the GPU engines'
+  dynamic per-token activation quantisation, whose result differs by the activation's rounding).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+from flax import struct
+
+#: The stored dtype of a converted weight (safetensors `F8_E4M3`).
+FP8_DTYPE = ml_dtypes.float8_e4m3fn
+
+
+@struct.dataclass
+class Fp8BlockWeight:
+    """A weight [..., out, in] as e4m3 values `q` [..., out_q, in] with f32 `scale`
+    [..., ceil(out_q / block[0]), ceil(in / block[1])], then `tail` [..., out - out_q, in] (rows
+    kept at full precision; None when there are none). `block` is static."""
+
+    q: jax.Array
+    scale: jax.Array
+    tail: jax.Array | None = None
+    block: tuple[int, int] = struct.field(pytree_node=False, default=(128, 128))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape [..., out, in]."""
+        rows = self.q.shape[-2] + (0 if self.tail is None else self.tail.shape[-2])
+        return (*self.q.shape[:-2], rows, self.q.shape[-1])
+
+    @property
+    def dtype(self):
+        """The stored dtype of the converted rows (e4m3)."""
+        return self.q.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def map(self, fn) -> Fp8BlockWeight:
+        """The same weight with `fn` applied to each of its arrays' leading (non-matrix) axes:
+        fn(array) must keep the last two axes (e.g. pick an expert)."""
+        return Fp8BlockWeight(fn(self.q), fn(self.scale), None if self.tail is None else fn(self.tail), self.block)
+
+    def __getitem__(self, index) -> Fp8BlockWeight:
+        """Index the leading axes, e.g. `w[..., e, :, :]` (one expert of a stack): `index` must end
+        with the two full matrix slices."""
+        return self.map(lambda a: a[index])
+
+    def dequantise(self, dtype) -> jax.Array:
+        """The [..., out, in] weight in `dtype`: each block's values times its scale, in f32, cast."""
+        rows, cols = self.q.shape[-2:]
+        rb, cb = self.block
+        scale = jnp.repeat(jnp.repeat(self.scale, rb, axis=-2)[..., :rows, :], cb, axis=-1)[..., :cols]
+        w = (self.q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+        if self.tail is None:
+            return w
+        return jnp.concatenate([w, self.tail.astype(dtype)], axis=-2)
+
+
+def dense_weight(w, dtype):
+    """`w` as an array for a product in `dtype`: an `Fp8BlockWeight` dequantised (inside the
+    calling program; see the header), anything else as it is."""
+    return w.dequantise(dtype) if isinstance(w, Fp8BlockWeight) else w
