@@ -1,0 +1,122 @@
+"""FP8 block-scaled checkpoints (quant_method fp8): loading as shipped, parity with HF on the
+dequantised weights, speculative ≡ greedy, and structural refusals in one line.
+
+Fixtures `qwen3_5_dense_fp8` and `qwen3_next_moe_fp8` (scripts/make_hf_fixtures.py quantises the
+f32 fixtures to e4m3 with bf16 `weight_scale_inv` per 32x32 block and records HF's logits on the
+dequantised weights). Bound: the engine dequantises each block as f32(q) * f32(scale), the values
+HF ran in f32, so the f32 logits keep the unquantised fixtures' bound (1e-4 of the largest logit).
+"""
+
+import json
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+from metrale_jax.checkpoint import CheckpointError, load_checkpoint, read_header, write_safetensors
+from metrale_jax.model.cache import prefill_and_decode
+from metrale_jax.model.fp8_linear import Fp8BlockWeight
+from metrale_jax.quantization import Quantization, scale_shape, tensor_bytes
+
+NAMES = ["qwen3_5_dense_fp8", "qwen3_next_moe_fp8"]
+
+
+def _dir(name):
+    return os.path.join(FIXTURES, "hf", name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fp8_logits_match_hf_on_the_dequantised_weights(name):
+    d = _dir(name)
+    g = np.load(os.path.join(d, "golden.npz"))
+    p, toks = int(g["prompt_len"]), g["tokens"]
+    cfg, params = load_checkpoint(d, np.float32)
+    leaves = [x for x in _walk(params) if isinstance(x, Fp8BlockWeight)]
+    assert leaves and all(w.q.dtype == ml_dtypes.float8_e4m3fn for w in leaves)
+    lg, _ = prefill_and_decode(params, cfg, toks[:p], len(toks) - p, feed=toks[p:])
+    ref = g["logits_f32"]
+    err = np.abs(np.asarray(lg) - ref).max(axis=1)
+    assert err.max() <= 1e-4 * np.abs(ref).max(), (err.argmax(), err.max())
+
+
+def _walk(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _walk(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _walk(v)
+    else:
+        yield tree
+
+
+def test_fp8_gdn_leaf_keeps_the_release_bf16_rows_as_its_tail():
+    """Qwen3.5's w_in stacks qkv, z (FP8) then b, a (kept): the kept rows are the leaf's tail."""
+    cfg, params = load_checkpoint(_dir("qwen3_5_dense_fp8"), np.float32)
+    w = params["layers"][0]["gdn"]["w_in"]
+    nv = cfg.linear_num_value_heads
+    assert isinstance(w, Fp8BlockWeight) and w.tail is not None and w.tail.shape[0] == 2 * nv
+    assert w.q.shape[0] == cfg.conv_dim + cfg.value_dim
+    assert not isinstance(params["embed"], Fp8BlockWeight)
+
+
+def _copy(tmp_path, name="qwen3_5_dense_fp8"):
+    out = tmp_path / name
+    shutil.copytree(_dir(name), out)
+    return out
+
+
+def _rewrite(path, edit):
+    """Rewrite a safetensors file with `edit(tensors)` applied (numpy arrays, e4m3 included)."""
+    refs = read_header(str(path))
+    tensors = {n: np.array(r.read()) for n, r in refs.items()}
+    edit(tensors)
+    write_safetensors(str(path), tensors)
+
+
+def test_scale_of_the_wrong_block_shape_is_one_clear_line(tmp_path):
+    d = _copy(tmp_path)
+    name = "model.language_model.layers.1.self_attn.o_proj.weight_scale_inv"
+    _rewrite(d / "model.safetensors", lambda t: t.update({name: t[name][:1]}))
+    with pytest.raises(CheckpointError, match=r"scale .*o_proj.weight_scale_inv has shape \[1, 2\], expected"):
+        load_checkpoint(str(d))
+
+
+def test_fp8_tensor_without_its_scale_is_refused(tmp_path):
+    d = _copy(tmp_path)
+    _rewrite(d / "model.safetensors", lambda t: t.pop("model.language_model.layers.0.mlp.down_proj.weight_scale_inv"))
+    with pytest.raises(CheckpointError, match=r"FP8 tensor .*mlp.down_proj.weight has no scale"):
+        load_checkpoint(str(d))
+
+
+def _edit_config(d, edit):
+    raw = json.loads((d / "config.json").read_text())
+    edit(raw)
+    (d / "config.json").write_text(json.dumps(raw))
+
+
+def test_unsupported_quantization_method_is_one_line_naming_it(tmp_path):
+    d = _copy(tmp_path)
+    _edit_config(d, lambda r: r["quantization_config"].update(quant_method="awq"))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(str(d))
+    assert str(e.value) == "quantization method 'awq' is not supported (supported: fp8; planner only: nvfp4)"
+
+
+def test_fp8_tensors_without_a_quantization_config_are_one_line(tmp_path):
+    d = _copy(tmp_path)
+    _edit_config(d, lambda r: r.pop("quantization_config"))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(str(d))
+    assert "problem(s)" not in str(e.value) and "declares no fp8 quantization_config" in str(e.value)
+
+
+def test_fp8_bytes_count_values_and_block_scales():
+    q = Quantization("fp8", (128, 128))
+    assert scale_shape((512, 2048, 300), (128, 128)) == (512, 16, 3)
+    assert tensor_bytes((1000, 300), 2, q, True) == 300_000 + 8 * 3 * 2
+    assert tensor_bytes((1000, 300), 2, q, False) == 600_000
+    assert tensor_bytes((64, 32), 2, Quantization("nvfp4", (1, 16)), True) == 1024 + 128 + 4
