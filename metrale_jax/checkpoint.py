@@ -504,6 +504,11 @@ def _mtp_layers_present(names) -> int:
 _FP8 = "F8_E4M3"
 
 
+def stored_names(b: Binding, refs: dict[str, TensorRef]) -> list[str]:
+    """Every checkpoint tensor binding `b` reads: its names and each FP8 one's block scale."""
+    return [m for n in b.names for m in ([n, scale_name(n)] if refs[n].dtype == _FP8 else [n])]
+
+
 def _fp8_rows(b: Binding, refs: dict[str, TensorRef]) -> np.ndarray:
     """Per row of `b`'s assembled leaf (leading axes dropped): whether it comes from an FP8 tensor
     (the binding's own assembly run on one-column markers; no tensor is read)."""

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from metrale_jax.checkpoint import Binding, TensorRef, declared_dtype, index_checkpoint, plan_load
+from metrale_jax.quantization import Quantization, read_quantization
 from metrale_jax.config import ModelConfig, load_model_config
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.presets import PRESETS
@@ -43,12 +44,7 @@ class ModelSource:
     dtype: str
     tensors: dict[str, TensorRef] = dataclasses.field(default_factory=dict)
     bindings: tuple[Binding, ...] = ()
-
-
-def _declared_dtype(config_json: Path) -> str:
-    """The dtype config.json declares (the loader's `declared_dtype`); bfloat16 when it names none
-    this engine serves."""
-    return declared_dtype(json.loads(config_json.read_text(encoding="utf-8"))) or "bfloat16"
+    quantization: Quantization | None = None
 
 
 def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
@@ -87,18 +83,21 @@ def resolve_model(arg: str, recipes_dir: Path) -> ModelSource:
             f"config.json, or a model id under {models_dir} (known: {known})"
         )
     config = load_model_config(directory)
+    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    quant = read_quantization(directory, raw)
     tensors: dict[str, TensorRef] = {}
     binds: tuple[Binding, ...] = ()
     if any(directory.glob("*.safetensors")):
         tensors = index_checkpoint(str(directory))
-        config, bound = plan_load(config, tensors)
+        config, bound = plan_load(config, tensors, quant)
         binds = tuple(bound)
     return ModelSource(
         id=model_id,
         config=config,
         config_from=str(directory / "config.json"),
         model_toml=directory / "MODEL.toml",
-        dtype=_declared_dtype(directory / "config.json"),
+        dtype=declared_dtype(raw) or "bfloat16",
         tensors=tensors,
         bindings=binds,
+        quantization=quant,
     )
