@@ -53,7 +53,8 @@ Invariants:
   hence `memory_analysis()`, as the Engine's default compile has it).
 - Under a tp x ep mesh (the settings' --tensor/--expert-parallel-size) the programs are compiled
   on that mesh of the local devices, with the engine's shardings (`engine.sharding`), and XLA's
-  analysis is one device's; fewer local devices than the mesh is a `PlanError`.
+  analysis is one device's; `provide_host_devices` gives a CPU host that many devices before
+  JAX starts; fewer local devices than the mesh (a started backend) is a `PlanError`.
 """
 
 from __future__ import annotations
@@ -115,6 +116,17 @@ HOW_INTERPOLATED = "interpolated"
 #: the programs compile at full depth; `scripts/depth_probe_check.py` checks a backend).
 DEPTH_PROBE_GROUPS = (1, 2)
 DEPTH_PROBE_BACKENDS = ("cpu",)
+
+
+def provide_host_devices(count: int) -> None:
+    """Make XLA's CPU client start with at least `count` host devices, so the step programs of a
+    tp x ep mesh compile on a one-device machine with no `XLA_FLAGS` set by the user.
+    NOTE: the count is fixed when JAX starts its backends; once started (another command ran in
+    this process) this does nothing and `ActivationModel.mesh` refuses in one line as before."""
+    from jax._src import xla_bridge
+
+    if count > 1 and not xla_bridge.backends_are_initialized() and jax.config.jax_num_cpu_devices < count:
+        jax.config.update("jax_num_cpu_devices", count)
 
 
 def default_cache_dir() -> Path:
