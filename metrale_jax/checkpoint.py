@@ -660,7 +660,9 @@ def _fp8_leaf(b: Binding, refs: dict[str, TensorRef], block: tuple[int, int], ca
     that the full-precision rows come last). The values, the scales expanded to one per row, and
     the full-precision tensors are each assembled by the binding's own assembly (zeros standing in
     for the other kind), then the scales folded back to runs of rows (`_run_scale`)."""
-    values, scales, kept = [], [], []
+    values: list[np.ndarray] = []
+    scales: list[np.ndarray] = []
+    kept: list[np.ndarray | None] = []
     scale_dtype = next(_DTYPES[refs[scale_name(n)].dtype] for n in b.names if refs[n].dtype == _FP8)
     for n, shape in zip(b.names, b.shapes):
         cols = -(-shape[-1] // block[1])

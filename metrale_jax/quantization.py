@@ -68,8 +68,11 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
 
 def converts(q: Quantization | None, name: str, kind: str) -> bool:
     """Whether scheme `q` stores checkpoint tensor `name` (a parameter of spec `kind`)
-    quantised: only projections (`linear` leaves) not named in `q.keep`."""
-    return q is not None and kind == "linear" and not any(k in name for k in q.keep)
+    quantised: only projections (`linear` leaves) whose module is not in `q.keep`. A kept entry
+    matches whole dotted components of the module name (`mlp.gate` keeps `layers.0.mlp.gate`,
+    not `layers.0.mlp.gate_proj`)."""
+    module = f".{name.removesuffix('.weight')}."
+    return q is not None and kind == "linear" and not any(f".{k.strip('.')}." in module for k in q.keep)
 
 
 def tensor_bytes(shape: tuple[int, ...], itemsize: int, q: Quantization | None, converted: bool) -> int:
@@ -89,9 +92,7 @@ def _fp8(raw: Mapping[str, Any]) -> Quantization:
     if fmt != "e4m3":
         raise QuantizationError(f"quantization_config: fp8 format {fmt!r} is not supported (supported: e4m3)")
     if act != "dynamic":
-        raise QuantizationError(
-            f"quantization_config: activation_scheme {act!r} is not supported (supported: dynamic)"
-        )
+        raise QuantizationError(f"quantization_config: activation_scheme {act!r} is not supported (supported: dynamic)")
     if not (
         isinstance(block, list)
         and len(block) == 2
@@ -126,5 +127,5 @@ def read_quantization(directory: str | os.PathLike, raw: Mapping[str, Any]) -> Q
         return _fp8(qc)
     if method in (NVFP4, "modelopt") and str(qc.get("quant_algo", NVFP4)).lower() == NVFP4:
         keep = qc.get("exclude_modules") or qc.get("modules_to_not_convert") or []
-        return Quantization(NVFP4, (1, NVFP4_GROUP), tuple(k.rstrip("*") for k in keep if isinstance(k, str)))
+        return Quantization(NVFP4, (1, NVFP4_GROUP), tuple(k.strip("*") for k in keep if isinstance(k, str)))
     raise QuantizationError(f"quantization method {method!r} is not supported (supported: fp8; planner only: nvfp4)")

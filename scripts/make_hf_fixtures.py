@@ -570,7 +570,16 @@ FP8_FIXTURES = {"qwen3_5_dense_fp8": ("qwen3_5_dense", 32), "qwen3_next_moe_fp8"
 #: Released tensors kept at full precision (as the releases' modules_to_not_convert say): every
 #: 1-D or conv tensor, the embedding and head, the router and shared-expert gate, the GDN's
 #: narrow b/a projections, mtp.fc.
-FP8_KEEP = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate", "in_proj_ba", "in_proj_a.", "in_proj_b.", "mtp.fc")
+FP8_KEEP = (
+    "embed_tokens",
+    "lm_head",
+    "mlp.gate.",
+    "shared_expert_gate",
+    "in_proj_ba",
+    "in_proj_a.",
+    "in_proj_b.",
+    "mtp.fc",
+)
 FP8_MAX = 448.0
 
 
@@ -608,7 +617,13 @@ def make_fp8_fixture(name: str, out_root: Path) -> dict:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     stored, dequantised, kept = {}, {}, set()
     for k, t in sorted(tensors.items()):
-        if t.ndim == 2 and k.endswith(".weight") and not any(m in k for m in FP8_KEEP) and "norm" not in k and "conv1d" not in k:
+        if (
+            t.ndim == 2
+            and k.endswith(".weight")
+            and not any(m in k for m in FP8_KEEP)
+            and "norm" not in k
+            and "conv1d" not in k
+        ):
             values, scale = quantise_fp8(t, block)
             stored[k], stored[k + "_scale_inv"] = values, scale
             dequantised[k] = dequantise_fp8(values, scale, block)
@@ -628,7 +643,9 @@ def make_fp8_fixture(name: str, out_root: Path) -> dict:
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
     model = build_model(fam, out_root / src)
-    missing, unexpected = model.load_state_dict(release_to_hf(dequantised, fam, spec.get("num_experts", 0)), strict=False)
+    missing, unexpected = model.load_state_dict(
+        release_to_hf(dequantised, fam, spec.get("num_experts", 0)), strict=False
+    )
     assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
     if spec["tie_word_embeddings"]:
         model.tie_weights()

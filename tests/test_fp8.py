@@ -10,13 +10,16 @@ HF ran in f32, so the f32 logits keep the unquantised fixtures' bound (1e-4 of t
 import json
 import os
 import shutil
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, settings
 
 from metrale_jax.checkpoint import CheckpointError, load_checkpoint, read_header, write_safetensors
+from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.model.cache import prefill_and_decode
 from metrale_jax.model.fp8_linear import Fp8BlockWeight
 from metrale_jax.quantization import Quantization, scale_shape, tensor_bytes
@@ -120,3 +123,71 @@ def test_fp8_bytes_count_values_and_block_scales():
     assert tensor_bytes((1000, 300), 2, q, True) == 300_000 + 8 * 3 * 2
     assert tensor_bytes((1000, 300), 2, q, False) == 600_000
     assert tensor_bytes((64, 32), 2, Quantization("nvfp4", (1, 16)), True) == 1024 + 128 + 4
+
+
+def test_speculative_equals_greedy_on_the_fp8_moe_fixture():
+    """MTP speculation (FP8 drafter layer and experts) commits exactly the greedy tokens, in the
+    checkpoint's own dtype, on both step paths."""
+    cfg, params = load_checkpoint(_dir("qwen3_next_moe_fp8"))
+    eng = Engine(cfg, params, settings(max_batch_size=2, max_seq_len=128, speculative=True, num_drafts=3))
+    prompts = [[int(x) for x in np.random.default_rng(5).integers(0, cfg.vocab_size, size=n)] for n in (21, 9)]
+    ref = greedy_generate(eng, prompts, 24)
+    runs = [speculative_generate(eng, prompts, 24, DraftSchedule(3), fused=f) for f in (0, 1)]
+    assert runs[0].tokens == runs[1].tokens == ref
+
+
+# ---- the planner ----
+
+
+def _plan(checkpoint, recipe, c="8"):
+    from click.testing import CliRunner
+
+    from metrale_jax_cli.memory_cmd import memory
+
+    argv = ["--checkpoint", checkpoint, "--recipe", recipe, "--device", "H200", "--no-activations", "--json"]
+    run = CliRunner().invoke(memory, [*argv, "--isl", "4096", "--osl", "1024", "--concurrency", c])
+    assert run.exit_code == 0, run.output
+    return json.loads(run.output)
+
+
+def _weights_mib(plan):
+    return sum(row["bytes"] for row in plan["weights"]) / 2**20
+
+
+def test_the_80b_fp8_recipe_fits_one_h200_where_the_bf16_one_does_not():
+    fp8 = _plan("Qwen/Qwen3-Next-80B-A3B-Instruct-FP8", "qwen3-next/qwen3-next-80b-a3b-fp8-mtp")
+    bf16 = _plan("Qwen/Qwen3-Next-80B-A3B-Instruct", "qwen3-next/qwen3-next-80b-a3b-mtp")
+    assert fp8["totals"]["fits"] and not bf16["totals"]["fits"]
+    # e4m3 values (1 byte) and a bf16 scale per 128x128 block where bf16 has 2 bytes a value
+    assert 0.5 < _weights_mib(fp8) / _weights_mib(bf16) < 0.52
+    assert fp8["inverse"]["max_concurrency"]["concurrency"] >= 8 and fp8["inverse"]["max_isl"]["isl"] > 4096
+
+
+def test_nvfp4_weights_are_counted_from_modelopt_hf_quant_config():
+    nvfp4 = _plan("nvidia/Qwen3.6-35B-A3B-NVFP4", "qwen3.6/qwen3.6-35b-a3b-nvfp4-mtp", "2")
+    fp8 = _plan("Qwen/Qwen3.6-35B-A3B-FP8", "qwen3.6/qwen3.6-35b-a3b-fp8-mtp", "2")
+    mlp4, mlp8 = (next(r for r in p["weights"] if r["group"] == "layers: mlp") for p in (nvfp4, fp8))
+    assert "nvfp4" in mlp4["dtype"] and "fp8" in mlp8["dtype"]
+    # half a byte a value and one e4m3 scale per 16 values, against one byte a value
+    assert 0.5 < mlp4["bytes"] / mlp8["bytes"] < 0.6
+
+
+def test_the_fp8_fixture_plan_counts_the_loaders_tensors_and_scales():
+    from metrale_jax.memory.source import resolve_model
+    from metrale_jax.memory.weights import weight_terms
+
+    source = resolve_model(_dir("qwen3_5_dense_fp8"), Path("recipes"))
+    planned = sum(t.bytes for t in weight_terms(source, np.float32))
+    cfg, params = load_checkpoint(_dir("qwen3_5_dense_fp8"))
+    leaves = list(_walk(params))
+    held_values = sum(
+        x.q.nbytes + (0 if x.tail is None else x.tail.nbytes) for x in leaves if isinstance(x, Fp8BlockWeight)
+    )
+    held_scales = sum(x.scale.nbytes for x in leaves if isinstance(x, Fp8BlockWeight))
+    held_rest = sum(x.nbytes for x in leaves if not isinstance(x, Fp8BlockWeight))
+    # Values and full-precision tensors: exactly the planned bytes. Scales: the file's blocks, plus
+    # the rows the loader re-blocks where a stacked part starts inside a block (the fixture's 32-row
+    # blocks over 80-row parts; the releases' parts are whole 128-row blocks, so none there).
+    file_scales = sum(r.end - r.start for n, r in source.tensors.items() if n.endswith("_scale_inv"))
+    assert held_values + held_rest + file_scales == planned
+    assert file_scales <= held_scales <= 2 * file_scales

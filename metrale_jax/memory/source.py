@@ -21,11 +21,11 @@ import json
 from pathlib import Path
 
 from metrale_jax.checkpoint import Binding, TensorRef, declared_dtype, index_checkpoint, plan_load
-from metrale_jax.quantization import Quantization, read_quantization
 from metrale_jax.config import ModelConfig, load_model_config
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.presets import PRESETS
 from metrale_jax.presets_data import PRESET_DIRS
+from metrale_jax.quantization import Quantization, read_quantization
 
 #: The id prefix of the embedded presets (`metrale-jax/tiny`).
 PRESET_ORG = "metrale-jax"

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from metrale_jax.checkpoint import bindings, stored_names
-from metrale_jax.params import param_specs
 from metrale_jax.memory.plan import Term
 from metrale_jax.memory.source import ModelSource
+from metrale_jax.params import param_specs
 from metrale_jax.quantization import converts, tensor_bytes
 
 WEIGHTS = "weights"
