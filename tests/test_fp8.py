@@ -45,6 +45,18 @@ def test_fp8_logits_match_hf_on_the_dequantised_weights(name):
     assert err.max() <= 1e-4 * np.abs(ref).max(), (err.argmax(), err.max())
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_fp8_in_bfloat16_tracks_hfs_bfloat16_run(name):
+    """Served in bf16 (the releases' dtype): HF's bf16 parity statistics (test_hf_parity)."""
+    d = _dir(name)
+    g = np.load(os.path.join(d, "golden.npz"))
+    p, toks = int(g["prompt_len"]), g["tokens"]
+    cfg, params = load_checkpoint(d, ml_dtypes.bfloat16)
+    lg = np.asarray(prefill_and_decode(params, cfg, toks[:p], len(toks) - p, feed=toks[p:])[0], np.float32)
+    assert np.median(np.abs(lg - g["logits_bf16"])) <= 0.06
+    assert np.mean(lg.argmax(1) == g["logits_bf16"].argmax(1)) >= 0.89
+
+
 def _walk(tree):
     if isinstance(tree, dict):
         for v in tree.values():
