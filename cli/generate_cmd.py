@@ -43,6 +43,7 @@ from metrale_jax.engine.sharding import make_mesh
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.engine.throughput import StepClock
 from metrale_jax.memory.plan import require_room, serve_pools
+from metrale_jax.model.fp8_linear import refuse_on_mesh
 from metrale_jax.presets import resolve_checkpoint
 from metrale_jax.presets_data import PRESET_DIRS
 from metrale_jax.research import ScheduleRun
@@ -140,6 +141,7 @@ def generate(ctx, checkpoint, prompt, max_new_tokens, confidence_stop, step, dty
     raw.setdefault("max_seq_len", 16 * math.ceil(reached / 16))
     settings = resolve_settings(raw, None, auto_slots=1)
     mesh = make_mesh(cfg, settings.tensor_parallel_size, settings.expert_parallel_size)
+    refuse_on_mesh(params, mesh)
     require_room(
         f"the engine pool for {len(ids)} prompt + {max_new_tokens} new tokens"
         + (f" with {drafts} drafts" if drafts else "")

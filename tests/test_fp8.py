@@ -203,3 +203,12 @@ def test_the_fp8_fixture_plan_counts_the_loaders_tensors_and_scales():
     file_scales = sum(r.end - r.start for n, r in source.tensors.items() if n.endswith("_scale_inv"))
     assert held_values + held_rest + file_scales == planned
     assert file_scales <= held_scales <= 2 * file_scales
+
+
+def test_fp8_weights_refuse_a_device_mesh_in_one_line():
+    from metrale_jax.model.fp8_linear import Fp8MeshError, refuse_on_mesh
+
+    _, params = load_checkpoint(_dir("qwen3_5_dense_fp8"))
+    refuse_on_mesh(params, None)
+    with pytest.raises(Fp8MeshError, match="served on one device"):
+        refuse_on_mesh(params, object())

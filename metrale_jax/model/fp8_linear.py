@@ -11,6 +11,8 @@ Invariants:
 - The model is never held dequantised: each product dequantises its own weight inside the step
   program (a transient of that one product, in the activation dtype) and multiplies; between
   products only the e4m3 values and the scales live.
+- FP8 leaves serve on one device: `refuse_on_mesh` refuses a tensor/expert-parallel mesh in one
+  line (their shardings are not written).
 - The dequantised value is `(f32(q) * f32(scale))` cast to the activation dtype: what a CPU
   reference that dequantises per block and multiplies in bf16/f32 computes (not the GPU engines'
   dynamic per-token activation quantisation, whose result differs by the activation's rounding).
@@ -22,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 from flax import struct
+
+from metrale_jax.errors import MetraleError
 
 #: The stored dtype of a converted weight (safetensors `F8_E4M3`).
 FP8_DTYPE = ml_dtypes.float8_e4m3fn
@@ -78,3 +82,18 @@ def dense_weight(w, dtype):
     """`w` as an array for a product in `dtype`: an `Fp8BlockWeight` dequantised (inside the
     calling program; see the header), anything else as it is."""
     return w.dequantise(dtype) if isinstance(w, Fp8BlockWeight) else w
+
+
+class Fp8MeshError(MetraleError, ValueError):
+    """FP8 weights asked to run under a device mesh."""
+
+
+def refuse_on_mesh(params, mesh) -> None:
+    """Raise Fp8MeshError when `params` holds FP8 leaves and `mesh` is a tensor/expert-parallel
+    mesh (not None): FP8 checkpoints serve on one device."""
+    fp8 = any(
+        isinstance(x, Fp8BlockWeight)
+        for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, Fp8BlockWeight))
+    )
+    if fp8 and mesh is not None:
+        raise Fp8MeshError("FP8 checkpoints are served on one device: drop --tensor/--expert-parallel-size")
