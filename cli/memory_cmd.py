@@ -104,7 +104,15 @@ def plan(
         evaluation=ev,
         max_concurrency=answers[0],
         max_isl=answers[1],
-        warnings=warnings_for(planner, ev) + ((model.cache_warning,) if model and model.cache_warning else ()),
+        warnings=warnings_for(planner, ev)
+        + ((model.cache_warning,) if model and model.cache_warning else ())
+        + (
+            (
+                f"{source.quantization.method} weights: this engine serves them on one device only (the plan is the mesh's share)",
+            )
+            if source.quantization and tp * ep > 1
+            else ()
+        ),
         activation_run=None
         if model is None
         else {
