@@ -108,7 +108,8 @@ def plan(
         + ((model.cache_warning,) if model and model.cache_warning else ())
         + (
             (
-                f"{source.quantization.method} weights: this engine serves them on one device only (the plan is the mesh's share)",
+                f"{source.quantization.method} weights: this engine serves them on one device only "
+                "(the plan is the mesh's share)",
             )
             if source.quantization and tp * ep > 1
             else ()
