@@ -70,7 +70,7 @@ def plan(
         provide_host_devices(tp * ep)  # a one-device machine plans the mesh's per-device programs
     dtype_name = dtype or source.dtype
     served = parse_dtype(dtype_name)
-    model = ActivationModel(source.config, served) if activations else None
+    model = ActivationModel(source.config, served, quantization=source.quantization) if activations else None
     planner = Planner(
         config=source.config,
         settings=settings,

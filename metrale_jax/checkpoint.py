@@ -509,12 +509,16 @@ def stored_names(b: Binding, refs: dict[str, TensorRef]) -> list[str]:
     return [m for n in b.names for m in ([n, scale_name(n)] if refs[n].dtype == _FP8 else [n])]
 
 
-def _fp8_rows(b: Binding, refs: dict[str, TensorRef]) -> np.ndarray:
-    """Per row of `b`'s assembled leaf (leading axes dropped): whether it comes from an FP8 tensor
-    (the binding's own assembly run on one-column markers; no tensor is read)."""
-    marks = [np.full((*shape[:-1], 1), refs[n].dtype == _FP8) for n, shape in zip(b.names, b.shapes)]
+def fp8_rows(b: Binding, is_fp8: Callable[[str], bool]) -> np.ndarray:
+    """Per row of `b`'s assembled leaf (leading axes dropped): whether it comes from a tensor
+    `is_fp8` names (the binding's own assembly run on one-column markers; no tensor is read)."""
+    marks = [np.full((*shape[:-1], 1), is_fp8(n)) for n, shape in zip(b.names, b.shapes)]
     m = np.asarray(b.assemble(marks))[..., 0]
     return m.reshape(-1, m.shape[-1])[0]
+
+
+def _fp8_rows(b: Binding, refs: dict[str, TensorRef]) -> np.ndarray:
+    return fp8_rows(b, lambda n: refs[n].dtype == _FP8)
 
 
 def _fp8_problems(b: Binding, refs: dict[str, TensorRef], q: Quantization | None, kind: str) -> list[str]:

@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -212,3 +213,27 @@ def test_fp8_weights_refuse_a_device_mesh_in_one_line():
     refuse_on_mesh(params, None)
     with pytest.raises(Fp8MeshError, match="served on one device"):
         refuse_on_mesh(params, object())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_planned_step_programs_hold_the_fp8_leaves_the_loader_holds(name):
+    """The planner compiles the step programs on abstract weights with the loader's FP8 leaves
+    (values and kept rows of the same shapes and dtypes), so their in-product dequantisation is
+    in the activation figures."""
+    from metrale_jax.memory.activations import quantised_abstract
+    from metrale_jax.memory.source import resolve_model
+    from metrale_jax.params import init_params
+
+    source = resolve_model(_dir(name), Path("recipes"))
+    cfg, params = load_checkpoint(_dir(name))
+    abstract = jax.eval_shape(lambda: init_params(source.config, 0, np.float32))
+    planned = quantised_abstract(abstract, source.config, source.quantization)
+
+    def parts(tree):
+        return [
+            (x.q.shape, x.q.dtype, None if x.tail is None else (x.tail.shape, x.tail.dtype))
+            for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Fp8BlockWeight))
+            if isinstance(x, Fp8BlockWeight)
+        ]
+
+    assert parts(planned) == parts(params) and parts(params)

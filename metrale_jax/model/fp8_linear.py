@@ -20,6 +20,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -37,9 +39,10 @@ class Fp8BlockWeight:
     [..., ceil(out_q / block[0]), ceil(in / block[1])], then `tail` [..., out - out_q, in] (rows
     kept at full precision; None when there are none). `block` is static."""
 
-    q: jax.Array
-    scale: jax.Array
-    tail: jax.Array | None = None
+    # Arrays; shape structs where the memory planner lays out abstract weights.
+    q: Any
+    scale: Any
+    tail: Any = None
     block: tuple[int, int] = struct.field(pytree_node=False, default=(128, 128))
 
     @property
