@@ -14,6 +14,10 @@ For each tiny random model this writes ``<out>/<name>/`` with
 * ``golden.npz``         ``tokens`` int32 [P+N], ``prompt_len`` (P), ``logits_f32`` and
                          ``logits_bf16`` float32 [P+N, vocab].
 
+FP8 variants (``FP8_FIXTURES``, made from their source fixture's folder): the projections the
+releases convert stored e4m3 with bf16 ``weight_scale_inv`` blocks and a ``quantization_config``;
+``golden.npz`` holds HF's logits on the dequantised weights (see tests/fixtures/hf/README.md).
+
 Protocol: ONE prefill forward over the P prompt tokens with ``use_cache=True`` (its P logit rows),
 then N cached single-token decode steps, each feeding the argmax of the previous row (f32 run).
 The bf16 run is the same protocol on the model cast to bfloat16, fed the f32 run's tokens.
