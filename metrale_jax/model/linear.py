@@ -181,7 +181,7 @@ def linear(x, w):
     """x [..., in] @ w[out, in].T -> [..., out], in the activation dtype. An input-major weight's product of a
     few rows runs the CPU rows kernel (`kernels_cpu.rows_matmul`; XLA's dot where it does not apply).
     An FP8 block-scaled weight is dequantised inside the product (`fp8_linear.dense_weight`)."""
-    w = dense_weight(w, x.dtype)
+    w = dense_weight(w, x)
     if isinstance(w, TransposedWeight):
         return rows_matmul(x, w.t)
     return jnp.einsum("...i,oi->...o", x, w)
@@ -192,7 +192,7 @@ def linear_per_expert(x, w):
     axis (each expert's C rows against its own weight)."""
     if isinstance(w, ExpertLeaves):
         return jnp.stack([linear(x[e], we) for e, we in enumerate(w.experts)])
-    w = dense_weight(w, x.dtype)
+    w = dense_weight(w, x)
     if isinstance(w, TransposedWeight):
         return jnp.einsum("eci,eio->eco", x, w.t)
     return jnp.einsum("eci,eoi->eco", x, w)
@@ -205,7 +205,7 @@ def linear_all_experts(x, w):
     weight into another layout: it runs batched over the experts instead, the rows broadcast."""
     if isinstance(w, ExpertLeaves):
         return jnp.stack([linear(x, we) for we in w.experts], axis=-2)
-    w = dense_weight(w, x.dtype)
+    w = dense_weight(w, x)
     if isinstance(w, TransposedWeight):
         e = w.t.shape[0]
         return jnp.swapaxes(linear_per_expert(jnp.broadcast_to(x, (e, *x.shape)), w), 0, 1)
