@@ -82,9 +82,7 @@ def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> Eng
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16"]),
-    default="float32",
-    show_default=True,
-    help="Weight/activation dtype the model is served in.",
+    help="Weight/activation dtype the model is served in [the checkpoint's own: config.json's dtype; presets float32].",
 )
 @click.option("--steps", type=int, required=True, help="Decode or verify steps per run (>= 2; --swap >= 4).")
 @click.option("--prompts", "n_prompts", type=int, default=1, show_default=True, help="Prompts of the default mode.")

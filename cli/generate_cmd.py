@@ -54,6 +54,7 @@ from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, specu
 from metrale_jax.engine.throughput import StepClock
 from metrale_jax.hub_cache import checkpoint_directory
 from metrale_jax.memory.plan import require_room, serve_pools
+from metrale_jax.model.fp8_linear import refuse_on_mesh
 from metrale_jax.presets import PRESETS, resolve_checkpoint
 from metrale_jax.research import ScheduleRun
 from metrale_jax.tokenizer import HFTokenizer, Tokenizer, stop_ids, tokenizer_for
@@ -127,7 +128,11 @@ def tokens_reached(prompt_tokens: int, max_new_tokens: int, drafts: int) -> int:
     help="With --speculative: one program per scheduler step (fused; the default under snapshot rollback) or "
     "the composed transitions (the default under replay rollback).",
 )
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    help="Weight/activation dtype [the checkpoint's own: config.json's dtype; presets float32].",
+)
 @sampling_options
 @serve_options
 @click.pass_context
@@ -196,6 +201,7 @@ def generate(
     raw.setdefault("max_seq_len", 16 * math.ceil(reached / 16))
     settings = resolve_settings(raw, None, auto_slots=1)
     mesh = make_mesh(cfg, settings.tensor_parallel_size, settings.expert_parallel_size)
+    refuse_on_mesh(params, mesh)
     require_room(
         f"the engine pool for {len(ids)} prompt + {max_new_tokens} new tokens"
         + (f" with {drafts} drafts" if drafts else "")

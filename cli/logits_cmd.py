@@ -17,7 +17,7 @@ import numpy as np
 from metrale_jax.errors import read_text
 from metrale_jax.memory.plan import Term, allocation_terms, require_room
 from metrale_jax.model.cache import new_cache, prefill_and_decode
-from metrale_jax.presets import parse_dtype, resolve_checkpoint
+from metrale_jax.presets import resolve_checkpoint
 from metrale_jax_cli.errors import UsageError, user_errors
 from metrale_jax_cli.output import OutputFile
 
@@ -51,16 +51,21 @@ def _parse_tokens(tokens: str | None, tokens_file: str | None, vocab: int) -> li
     show_default=True,
     help="Greedy decode steps after the prefill.",
 )
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    help="Weight/activation dtype [the checkpoint's own: config.json's dtype; presets float32].",
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the logits [len+N, vocab] float32 .npy here.")
 @user_errors
 def logits(checkpoint, tokens, tokens_file, decode_steps, dtype, out):
     """Print a summary of (and optionally save) the logits of a prefill followed by greedy decode."""
     sink = OutputFile(out) if out else None
     cfg, params = resolve_checkpoint(checkpoint, dtype)
+    dtype = str(params["embed"].dtype)
     prompt = _parse_tokens(tokens, tokens_file, cfg.vocab_size)
     rows = len(prompt) + decode_steps
-    cache = allocation_terms("cache", lambda: new_cache(cfg, 1, rows + 1, parse_dtype(dtype)))
+    cache = allocation_terms("cache", lambda: new_cache(cfg, 1, rows + 1, params["embed"].dtype))
     # the logits rows on the device, once per step and once concatenated
     outputs = Term("logits", "outputs", 2 * rows * cfg.vocab_size * 4, "float32", (rows, cfg.vocab_size))
     require_room(f"{len(prompt)} prompt + {decode_steps} decode rows", (*cache, outputs), "lower --decode")

@@ -18,7 +18,7 @@ import click
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.settings import Provenance, resolve_settings
 from metrale_jax.engine.sharding import check_mesh, param_divisors
-from metrale_jax.memory.activations import ActivationModel
+from metrale_jax.memory.activations import ActivationModel, provide_host_devices
 from metrale_jax.memory.advice import concurrency_answer, isl_answer, warnings_for
 from metrale_jax.memory.devices import find_device
 from metrale_jax.memory.errors import PlanError
@@ -66,9 +66,11 @@ def plan(
     settings = resolve_settings(raw, behavior, auto_slots=min(concurrency, AUTO_MAX_SLOTS))
     tp, ep = settings.tensor_parallel_size, settings.expert_parallel_size
     check_mesh(source.config, tp, ep, tp * ep)  # the plan is for a machine of tp x ep such devices
+    if activations:
+        provide_host_devices(tp * ep)  # a one-device machine plans the mesh's per-device programs
     dtype_name = dtype or source.dtype
     served = parse_dtype(dtype_name)
-    model = ActivationModel(source.config, served) if activations else None
+    model = ActivationModel(source.config, served, quantization=source.quantization) if activations else None
     planner = Planner(
         config=source.config,
         settings=settings,
@@ -102,7 +104,16 @@ def plan(
         evaluation=ev,
         max_concurrency=answers[0],
         max_isl=answers[1],
-        warnings=warnings_for(planner, ev) + ((model.cache_warning,) if model and model.cache_warning else ()),
+        warnings=warnings_for(planner, ev)
+        + ((model.cache_warning,) if model and model.cache_warning else ())
+        + (
+            (
+                f"{source.quantization.method} weights: this engine serves them on one device only "
+                "(the plan is the mesh's share)",
+            )
+            if source.quantization and tp * ep > 1
+            else ()
+        ),
         activation_run=None
         if model is None
         else {

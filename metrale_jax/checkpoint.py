@@ -28,7 +28,8 @@ import math
 import os
 import re
 import struct as _struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -36,7 +37,9 @@ import numpy as np
 
 from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
 from metrale_jax.errors import MetraleError
+from metrale_jax.model.fp8_linear import FP8_DTYPE, Fp8BlockWeight
 from metrale_jax.params import attn_in_rows, dense_in_rows, gdn_in_rows, moe_router_rows, param_specs, shared_in_rows
+from metrale_jax.quantization import Quantization, QuantizationError, read_quantization, scale_name, scale_shape
 
 
 class CheckpointError(MetraleError, ValueError):
@@ -54,6 +57,7 @@ _DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
 _FLOAT = {"F64", "F32", "F16", "BF16"}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
@@ -497,16 +501,73 @@ def _mtp_layers_present(names) -> int:
     return max(ids) + 1 if ids else 0
 
 
-def plan_load(cfg: ModelConfig, refs: dict[str, TensorRef]) -> tuple[ModelConfig, list[Binding]]:
-    """Check a checkpoint's headers against `cfg`; return the (possibly MTP-completed) config and
-    bindings. Raises CheckpointError listing every missing, unexpected, mis-shaped or non-float
-    tensor."""
+_FP8 = "F8_E4M3"
+
+
+def stored_names(b: Binding, refs: dict[str, TensorRef]) -> list[str]:
+    """Every checkpoint tensor binding `b` reads: its names and each FP8 one's block scale."""
+    return [m for n in b.names for m in ([n, scale_name(n)] if refs[n].dtype == _FP8 else [n])]
+
+
+def fp8_rows(b: Binding, is_fp8: Callable[[str], bool]) -> np.ndarray:
+    """Per row of `b`'s assembled leaf (leading axes dropped): whether it comes from a tensor
+    `is_fp8` names (the binding's own assembly run on one-column markers; no tensor is read)."""
+    marks = [np.full((*shape[:-1], 1), is_fp8(n)) for n, shape in zip(b.names, b.shapes)]
+    m = np.asarray(b.assemble(marks))[..., 0]
+    return m.reshape(-1, m.shape[-1])[0]
+
+
+def _fp8_rows(b: Binding, refs: dict[str, TensorRef]) -> np.ndarray:
+    return fp8_rows(b, lambda n: refs[n].dtype == _FP8)
+
+
+def _fp8_problems(b: Binding, refs: dict[str, TensorRef], q: Quantization | None, kind: str) -> list[str]:
+    """What makes the FP8 tensors of binding `b` unloadable: no fp8 scheme, a leaf served at full
+    precision only, a missing or mis-shaped scale, or kept rows not after the converted ones."""
+    fp8 = [n for n in b.names if n in refs and refs[n].dtype == _FP8]
+    if not fp8:
+        return []
+    if q is None or not q.loadable:
+        return [f"tensor {fp8[0]} is {_FP8} but config.json declares no fp8 quantization_config"]
+    if kind != "linear":
+        return [f"tensor {n} is {_FP8}; a {kind} parameter is served at full precision only" for n in fp8]
+    problems = []
+    for n in fp8:
+        s, want = scale_name(n), scale_shape(refs[n].shape, q.block)
+        if s not in refs:
+            problems.append(f"FP8 tensor {n} has no scale {s}")
+        elif refs[s].shape != want:
+            problems.append(
+                f"scale {s} has shape {list(refs[s].shape)}, expected {list(want)} "
+                f"({q.block[0]}x{q.block[1]} blocks of {list(refs[n].shape)})"
+            )
+        elif refs[s].dtype not in _FLOAT:
+            problems.append(f"scale {s} has dtype {refs[s].dtype}, expected a float dtype")
+    rows = _fp8_rows(b, refs)
+    if not problems and not rows[: int(rows.sum())].all():
+        problems.append(f"{b.names[0]}: the rows kept at full precision must follow the FP8 rows in its leaf")
+    return problems
+
+
+def plan_load(
+    cfg: ModelConfig, refs: dict[str, TensorRef], quant: Quantization | None = None
+) -> tuple[ModelConfig, list[Binding]]:
+    """Check a checkpoint's headers against `cfg` (and its weight format `quant`); return the
+    (possibly MTP-completed) config and bindings. Raises CheckpointError listing every missing,
+    unexpected, mis-shaped or non-float tensor, every FP8 tensor without its block scale or with
+    a scale of the wrong block shape; FP8 tensors without an fp8 scheme are one line."""
     names = set(refs)
+    if quant is None and any(r.dtype == _FP8 for r in refs.values()):
+        first = min(n for n, r in refs.items() if r.dtype == _FP8)
+        raise CheckpointError(
+            f"tensor {first} (and every other {_FP8} one) is FP8 but config.json declares no fp8 quantization_config"
+        )
     if cfg.num_mtp_layers == 0 and "mtp.fc.weight" in names:
         # Qwen3-Next's release config has no MTP field; the checkpoint says how many layers it has.
         cfg = cfg.replace(num_mtp_layers=_mtp_layers_present(names))
     fused = any(".mlp.experts.gate_up_proj" in n for n in names)
     binds = bindings(cfg, fused_experts=fused)
+    specs = param_specs(cfg)
     problems, used = [], set()
     for b in binds:
         for name, shape in zip(b.names, b.shapes):
@@ -516,8 +577,12 @@ def plan_load(cfg: ModelConfig, refs: dict[str, TensorRef]) -> tuple[ModelConfig
                 problems.append(f"missing tensor {name}")
             elif ref.shape != shape:
                 problems.append(f"tensor {name} has shape {list(ref.shape)}, expected {list(shape)}")
-            elif ref.dtype not in _FLOAT:
+            elif ref.dtype not in _FLOAT and ref.dtype != _FP8:
                 problems.append(f"tensor {name} has dtype {ref.dtype}, expected a float dtype")
+            elif ref.dtype == _FP8:
+                used.add(scale_name(name))
+        if not problems:
+            problems += _fp8_problems(b, refs, quant, _get(specs, b.path).kind)
     extra = sorted(n for n in names - used if not _IGNORED.match(n))
     problems += [f"unexpected tensor {n}" for n in extra]
     if problems:
@@ -526,21 +591,103 @@ def plan_load(cfg: ModelConfig, refs: dict[str, TensorRef]) -> tuple[ModelConfig
     return cfg, binds
 
 
+#: The compute dtypes a checkpoint may declare and be served in, by config.json name.
+SERVED_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+
+
+def declared_dtype(raw: Mapping[str, Any]) -> str | None:
+    """The compute dtype a config.json dict declares (`dtype` or `torch_dtype`, top level first,
+    then `text_config`), when it is one of `SERVED_DTYPES`; else None. The checkpoint's own dtype:
+    what every command serves it in unless told otherwise."""
+    for table in (raw, raw.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(table, Mapping) and table.get(key) in SERVED_DTYPES:
+                return table[key]
+    return None
+
+
+def _config_json(directory: str) -> dict:
+    """The raw config.json of a checkpoint directory (load_model_config has validated it)."""
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def load_checkpoint(directory: str, dtype=None) -> tuple[ModelConfig, dict]:
-    """Load config.json + safetensors from `directory`. dtype: cast every tensor (default: keep
-    the stored float dtype). Tensors are read one at a time from memory maps."""
+    """Load config.json + safetensors from `directory`. dtype: cast every float tensor to it
+    (default: the checkpoint's own, `declared_dtype` of its config.json; when that declares none,
+    each tensor keeps its stored dtype). Everything cheap (the config, every header against the
+    config) is checked before any tensor is read; tensors are then read one leaf at a time from
+    memory maps and cast leaf by leaf, so no full-precision copy of the model is ever held."""
     try:
         cfg = load_model_config(directory)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    raw = _config_json(directory)
+    if dtype is None:
+        own = declared_dtype(raw)
+        dtype = None if own is None else SERVED_DTYPES[own]
+    try:
+        quant = read_quantization(directory, raw)
+    except QuantizationError as e:
+        raise CheckpointError(str(e)) from None
+    if quant is not None and not quant.loadable:
+        raise CheckpointError(f"{quant.method} checkpoints are planned by `memory` but not loaded (loadable: fp8)")
     refs = index_checkpoint(directory)
-    cfg, binds = plan_load(cfg, refs)
+    cfg, binds = plan_load(cfg, refs, quant)
     tree = _empty_tree(param_specs(cfg))
+    cast = (lambda a: a) if dtype is None else (lambda a: np.asarray(a).astype(dtype, copy=False))
     for b in binds:
-        arrays = [refs[n].read() for n in b.names]
-        value = b.assemble(arrays)
-        _assign(tree, b.path, jnp.asarray(value if dtype is None else np.asarray(value).astype(dtype)))
+        if any(refs[n].dtype == _FP8 for n in b.names):
+            assert quant is not None  # plan_load refuses FP8 tensors without a scheme
+            _assign(tree, b.path, _fp8_leaf(b, refs, quant.block, cast))
+        else:
+            _assign(tree, b.path, jnp.asarray(cast(b.assemble([refs[n].read() for n in b.names]))))
     return cfg, tree
+
+
+def _run_scale(per_row: np.ndarray, block_rows: int) -> tuple[np.ndarray, int]:
+    """Per-row scales [..., rows, nj] as one scale per run of g rows, g the largest divisor of
+    `block_rows` over whose runs every scale is constant: ([..., ceil(rows / g), nj], g). A leaf
+    stacked from parts of whole blocks keeps the file's blocks (g = block_rows)."""
+    rows = per_row.shape[-2]
+    for g in (d for d in range(block_rows, 1, -1) if block_rows % d == 0):
+        pad = (-rows) % g
+        padded = np.concatenate([per_row, np.repeat(per_row[..., -1:, :], pad, axis=-2)], axis=-2)
+        runs = padded.reshape(*per_row.shape[:-2], -1, g, per_row.shape[-1])
+        if (runs == runs[..., :1, :]).all():
+            return runs[..., 0, :], g
+    return per_row, 1
+
+
+def _fp8_leaf(b: Binding, refs: dict[str, TensorRef], block: tuple[int, int], cast) -> Fp8BlockWeight:
+    """The `Fp8BlockWeight` of a binding with FP8 tensors (plan_load has checked every scale and
+    that the full-precision rows come last). The values, the scales expanded to one per row, and
+    the full-precision tensors are each assembled by the binding's own assembly (zeros standing in
+    for the other kind), then the scales folded back to runs of rows (`_run_scale`)."""
+    values: list[np.ndarray] = []
+    scales: list[np.ndarray] = []
+    kept: list[np.ndarray | None] = []
+    scale_dtype = next(_DTYPES[refs[scale_name(n)].dtype] for n in b.names if refs[n].dtype == _FP8)
+    for n, shape in zip(b.names, b.shapes):
+        cols = -(-shape[-1] // block[1])
+        if refs[n].dtype == _FP8:
+            values.append(refs[n].read())
+            per_row = np.repeat(refs[scale_name(n)].read(), block[0], axis=-2)[..., : shape[-2], :]
+            scales.append(per_row)
+            kept.append(None)
+        else:
+            values.append(np.zeros(shape, FP8_DTYPE))
+            scales.append(np.zeros((*shape[:-1], cols), scale_dtype))
+            kept.append(refs[n].read())
+    n_fp8 = int(_fp8_rows(b, refs).sum())
+    q = np.asarray(b.assemble(values))[..., :n_fp8, :]
+    scale, g = _run_scale(np.asarray(b.assemble(scales))[..., :n_fp8, :], block[0])
+    tail = None
+    if any(k is not None for k in kept):
+        stand_in = next(k for k in kept if k is not None).dtype
+        full = b.assemble([np.zeros(s, stand_in) if k is None else k for k, s in zip(kept, b.shapes)])
+        tail = jnp.asarray(cast(np.asarray(full)[..., n_fp8:, :]))
+    return Fp8BlockWeight(jnp.asarray(q), jnp.asarray(scale), tail, (g, block[1]))
 
 
 def save_checkpoint(directory: str, cfg: ModelConfig, params: dict) -> None:

@@ -32,8 +32,8 @@ def parse_dtype(name: str):
 
 
 def resolve_checkpoint(name_or_dir: str, dtype: str | None = "float32"):
-    """(config, params) for a preset name or a checkpoint directory, cast to `dtype` (None keeps a
-    checkpoint's stored dtype; presets default to float32). Raises CheckpointError."""
+    """(config, params) for a preset name or a checkpoint directory, cast to `dtype` (None: a
+    checkpoint's own, `checkpoint.declared_dtype`; presets default to float32). Raises CheckpointError."""
     if name_or_dir in PRESETS:
         cfg, seed = PRESETS[name_or_dir]
         return cfg, init_params(cfg, seed, parse_dtype(dtype or "float32"))

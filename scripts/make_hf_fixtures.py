@@ -14,6 +14,10 @@ For each tiny random model this writes ``<out>/<name>/`` with
 * ``golden.npz``         ``tokens`` int32 [P+N], ``prompt_len`` (P), ``logits_f32`` and
                          ``logits_bf16`` float32 [P+N, vocab].
 
+FP8 variants (``FP8_FIXTURES``, made from their source fixture's folder): the projections the
+releases convert stored e4m3 with bf16 ``weight_scale_inv`` blocks and a ``quantization_config``;
+``golden.npz`` holds HF's logits on the dequantised weights (see tests/fixtures/hf/README.md).
+
 Protocol: ONE prefill forward over the P prompt tokens with ``use_cache=True`` (its P logit rows),
 then N cached single-token decode steps, each feeding the argmax of the previous row (f32 run).
 The bf16 run is the same protocol on the model cast to bfloat16, fed the f32 run's tokens.
@@ -563,6 +567,116 @@ def validate_fixture(name: str, spec: dict, folder: Path, model) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# FP8 block-scaled variants (quant_method fp8, as the -FP8 releases ship them)
+# ---------------------------------------------------------------------------------------------
+#: FP8 fixture -> the fixture it quantises and its block size. The fixtures' matrices are
+#: 64-192 wide, so their blocks are 32x32 (the releases' are 128x128): each weight has several
+#: blocks, partial blocks at its edges, and stacked parts that do not start on a block.
+FP8_FIXTURES = {"qwen3_5_dense_fp8": ("qwen3_5_dense", 32), "qwen3_next_moe_fp8": ("qwen3_next_moe", 32)}
+#: Released tensors kept at full precision (as the releases' modules_to_not_convert say): every
+#: 1-D or conv tensor, the embedding and head, the router and shared-expert gate, the GDN's
+#: narrow b/a projections, mtp.fc.
+FP8_KEEP = (
+    "embed_tokens",
+    "lm_head",
+    "mlp.gate.",
+    "shared_expert_gate",
+    "in_proj_ba",
+    "in_proj_a.",
+    "in_proj_b.",
+    "mtp.fc",
+)
+FP8_MAX = 448.0
+
+
+def quantise_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] f32 -> (e4m3 values [out, in], bf16 weight_scale_inv [ceil(out/b), ceil(in/b)]),
+    w ≈ values · scale_inv per block: scale_inv = absmax / 448 rounded to bf16, values = w / it
+    clamped to ±448 and rounded to nearest even by the cast."""
+    rows, cols = w.shape
+    pr, pc = -rows % block, -cols % block
+    padded = torch.nn.functional.pad(w, (0, pc, 0, pr))
+    blocks = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10)
+    scale = (amax / FP8_MAX).to(torch.bfloat16)
+    full = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    values = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def dequantise_fp8(values: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    rows, cols = values.shape
+    full = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return values.float() * full
+
+
+def make_fp8_fixture(name: str, out_root: Path) -> dict:
+    """Quantise fixture `src` to FP8 (`FP8_FIXTURES`), write it in the release layout with its
+    quantization_config, and record HF's logits on the dequantised weights (the protocol above)."""
+    t0 = time.time()
+    src, block = FP8_FIXTURES[name]
+    spec = HF_FIXTURES[src]
+    fam = spec["family"]
+    folder = out_root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with safe_open(str(out_root / src / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    stored, dequantised, kept = {}, {}, set()
+    for k, t in sorted(tensors.items()):
+        if (
+            t.ndim == 2
+            and k.endswith(".weight")
+            and not any(m in k for m in FP8_KEEP)
+            and "norm" not in k
+            and "conv1d" not in k
+        ):
+            values, scale = quantise_fp8(t, block)
+            stored[k], stored[k + "_scale_inv"] = values, scale
+            dequantised[k] = dequantise_fp8(values, scale, block)
+        else:
+            stored[k] = dequantised[k] = t
+            if t.ndim == 2 and k.endswith(".weight") and "norm" not in k:
+                kept.add(k[: -len(".weight")])
+    config = json.loads((out_root / src / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [block, block],
+        "modules_to_not_convert": sorted(kept),
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    model = build_model(fam, out_root / src)
+    missing, unexpected = model.load_state_dict(
+        release_to_hf(dequantised, fam, spec.get("num_experts", 0)), strict=False
+    )
+    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    if spec["tie_word_embeddings"]:
+        model.tie_weights()
+    prompt = np.random.default_rng(spec["seed"] + 7).integers(0, spec["vocab_size"], PROMPT_LEN)
+    logits_f32, tokens = run_protocol(model, prompt, DECODE_LEN)
+    logits_bf16, _ = run_protocol(to_bf16(model), prompt, DECODE_LEN, feed=tokens)
+    np.savez_compressed(
+        folder / "golden.npz",
+        tokens=tokens.astype(np.int32),
+        prompt_len=np.int32(PROMPT_LEN),
+        logits_f32=logits_f32,
+        logits_bf16=logits_bf16.astype(np.float32),
+    )
+    src_golden = np.load(out_root / src / "golden.npz")["logits_f32"]
+    return {
+        "name": name,
+        "fp8_tensors": sum(1 for t in stored.values() if t.dtype == torch.float8_e4m3fn),
+        "kept_modules": len(kept),
+        "max_abs_diff_vs_unquantised_f32": float(np.abs(logits_f32 - src_golden).max()),
+        "max_abs_logit_f32": float(np.abs(logits_f32).max()),
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="tests/fixtures/hf", type=Path)
@@ -574,11 +688,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # fixed reduction order: reruns give the same bytes
     torch.use_deterministic_algorithms(True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__}")
-    names = args.only or list(HF_FIXTURES)
+    names = args.only or [*HF_FIXTURES, *FP8_FIXTURES]
     t0 = time.time()
     all_stats = []
     for name in names:
-        st = make_fixture(name, HF_FIXTURES[name], args.out, validate=not args.no_validate)
+        if name in FP8_FIXTURES:
+            st = make_fp8_fixture(name, args.out)
+        else:
+            st = make_fixture(name, HF_FIXTURES[name], args.out, validate=not args.no_validate)
         all_stats.append(st)
         print(json.dumps(st))
     if args.only is None or "qwen3_5_dense" in args.only:  # the tokenizer fixtures (HF's ids, chat text, greedy chat)

@@ -79,6 +79,8 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule("test_kernels_gpu_check.py", SLOW, only=("test_dry_run_passes",)),
+    Rule("test_memory_mesh.py", SLOW + SUBPROCESS),
+    Rule("test_fp8.py", SLOW, only=("test_speculative_equals_greedy_on_the_fp8_moe_fixture",)),
     Rule(
         "test_kernels_gpu_check.py", SUBPROCESS, only=("test_session_stops_each_stage_at_its_limit_and_runs_the_next",)
     ),

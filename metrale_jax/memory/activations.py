@@ -53,7 +53,8 @@ Invariants:
   hence `memory_analysis()`, as the Engine's default compile has it).
 - Under a tp x ep mesh (the settings' --tensor/--expert-parallel-size) the programs are compiled
   on that mesh of the local devices, with the engine's shardings (`engine.sharding`), and XLA's
-  analysis is one device's; fewer local devices than the mesh is a `PlanError`.
+  analysis is one device's; `provide_host_devices` gives a CPU host that many devices before
+  JAX starts; fewer local devices than the mesh (a started backend) is a `PlanError`.
 """
 
 from __future__ import annotations
@@ -75,11 +76,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from kernels_cpu.rows_matmul.api import rows_kernel_switched_on
 from kernels_pallas.ops import Ops
+from metrale_jax.checkpoint import bindings, fp8_rows
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import PoolCounts, pool_counts
 from metrale_jax.engine.inputs import ModelStatic
@@ -88,9 +91,11 @@ from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
 from metrale_jax.memory.errors import PlanError
+from metrale_jax.model.fp8_linear import FP8_DTYPE, Fp8BlockWeight
 from metrale_jax.model.layer_groups import arrange_layers, layer_groups, truncate_groups
 from metrale_jax.model.weight_layout import backend_layout
-from metrale_jax.params import init_params
+from metrale_jax.params import init_params, param_specs
+from metrale_jax.quantization import Quantization, converts, scale_shape
 
 #: The environment variable naming the cache directory (default `$XDG_CACHE_HOME` or
 #: `~/.cache`, then `metrale-jax/activations`).
@@ -115,6 +120,51 @@ HOW_INTERPOLATED = "interpolated"
 #: the programs compile at full depth; `scripts/depth_probe_check.py` checks a backend).
 DEPTH_PROBE_GROUPS = (1, 2)
 DEPTH_PROBE_BACKENDS = ("cpu",)
+
+
+def quantised_abstract(params: Any, cfg: ModelConfig, quant: Quantization | None) -> Any:
+    """The abstract parameter tree of `cfg` (checkpoint layout) with the leaves an FP8 scheme
+    converts as the loader holds them (`Fp8BlockWeight` of e4m3 values, bf16 block scales and the
+    kept rows as their tail), so the step programs compile with their in-product dequantisation.
+    Unchanged without an fp8 scheme (NVFP4 is counted in the weights only)."""
+    if quant is None or not quant.loadable:
+        return params
+    specs = param_specs(cfg)
+    for b in bindings(cfg):
+        node: Any = params
+        spec: Any = specs
+        for k in b.path:
+            node, spec = node[k], spec[k]
+        if spec.kind != "linear":
+            continue
+        rows = fp8_rows(b, lambda n: converts(quant, n, "linear"))
+        n8 = int(rows.sum())
+        if n8 == 0 or not rows[:n8].all():
+            continue
+        *lead, total, cols = node.shape
+        sds = jax.ShapeDtypeStruct
+        leaf = Fp8BlockWeight(
+            sds((*lead, n8, cols), FP8_DTYPE),
+            sds(scale_shape((*lead, n8, cols), quant.block), jnp.bfloat16),
+            None if n8 == total else sds((*lead, total - n8, cols), node.dtype),
+            quant.block,
+        )
+        parent = params
+        for k in b.path[:-1]:
+            parent = parent[k]
+        parent[b.path[-1]] = leaf
+    return params
+
+
+def provide_host_devices(count: int) -> None:
+    """Make XLA's CPU client start with at least `count` host devices, so the step programs of a
+    tp x ep mesh compile on a one-device machine with no `XLA_FLAGS` set by the user.
+    NOTE: the count is fixed when JAX starts its backends; once started (another command ran in
+    this process) this does nothing and `ActivationModel.mesh` refuses in one line as before."""
+    from jax._src import xla_bridge
+
+    if count > 1 and not xla_bridge.backends_are_initialized() and jax.config.jax_num_cpu_devices < count:
+        jax.config.update("jax_num_cpu_devices", count)
 
 
 def default_cache_dir() -> Path:
@@ -297,8 +347,10 @@ class ActivationModel:
         cache_dir: Path | None = None,
         programs: tuple[str, ...] | None = None,
         full_depth: bool = False,
+        quantization: Quantization | None = None,
     ):
         self.config = config
+        self.quantization = quantization
         self.full_depth = full_depth
         self.dtype = dtype
         self.forward = forward
@@ -373,6 +425,7 @@ class ActivationModel:
         pool = abstract_pool(cfg, counts, settings, dtype=dtype, mesh=mesh)
         params = self.params(cfg)
         if mesh is None:
+            params = quantised_abstract(jax.tree_util.tree_map(lambda x: x, params), cfg, self.quantization)
             params = jax.eval_shape(lambda p: backend_layout(p, cfg, None), params)
         else:
             params = jax.tree_util.tree_map(

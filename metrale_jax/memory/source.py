@@ -26,17 +26,16 @@ import dataclasses
 import json
 from pathlib import Path
 
-from metrale_jax.checkpoint import Binding, TensorRef, index_checkpoint, plan_load
+from metrale_jax.checkpoint import Binding, TensorRef, declared_dtype, index_checkpoint, plan_load
 from metrale_jax.config import ModelConfig, load_model_config
 from metrale_jax.hub_cache import find_snapshot
 from metrale_jax.memory.errors import PlanError
 from metrale_jax.presets import PRESETS
 from metrale_jax.presets_data import PRESET_DIRS
+from metrale_jax.quantization import Quantization, read_quantization
 
 #: The id prefix of the embedded presets (`metrale-jax/tiny`).
 PRESET_ORG = "metrale-jax"
-#: Dtypes the served weights may have, by config.json name.
-SERVED_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,17 +51,7 @@ class ModelSource:
     dtype: str
     tensors: dict[str, TensorRef] = dataclasses.field(default_factory=dict)
     bindings: tuple[Binding, ...] = ()
-
-
-def _declared_dtype(config_json: Path) -> str:
-    """The dtype config.json declares (top level or text_config); bfloat16 when it names none
-    this engine serves."""
-    raw = json.loads(config_json.read_text(encoding="utf-8"))
-    for table in (raw, raw.get("text_config") or {}):
-        for key in ("dtype", "torch_dtype"):
-            if table.get(key) in SERVED_DTYPES:
-                return table[key]
-    return "bfloat16"
+    quantization: Quantization | None = None
 
 
 def resolve_model(arg: str, recipes_dir: Path, expected: str | None = None) -> ModelSource:
@@ -111,18 +100,21 @@ def resolve_model(arg: str, recipes_dir: Path, expected: str | None = None) -> M
     model_toml = directory / "MODEL.toml"
     if not model_toml.is_file() and (models_dir / model_id / "MODEL.toml").is_file():
         model_toml = models_dir / model_id / "MODEL.toml"
+    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    quant = read_quantization(directory, raw)
     tensors: dict[str, TensorRef] = {}
     binds: tuple[Binding, ...] = ()
     if any(directory.glob("*.safetensors")):
         tensors = index_checkpoint(str(directory))
-        config, bound = plan_load(config, tensors)
+        config, bound = plan_load(config, tensors, quant)
         binds = tuple(bound)
     return ModelSource(
         id=model_id,
         config=config,
         config_from=str(directory / "config.json"),
         model_toml=model_toml,
-        dtype=_declared_dtype(directory / "config.json"),
+        dtype=declared_dtype(raw) or "bfloat16",
         tensors=tensors,
         bindings=binds,
+        quantization=quant,
     )

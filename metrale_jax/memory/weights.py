@@ -7,7 +7,11 @@ Invariants:
 - With weights on disk, a parameter's bytes are its tensors' byte ranges in the safetensors
   headers, via the loader's own bindings (the loader keeps the stored dtype).
 - Without, they are the shapes of the same bindings (the checkpoint tensors the config implies)
-  at the serve dtype, so `tensors` counts checkpoint tensors either way.
+  at the serve dtype, or, for a quantised checkpoint, the bytes `quantization.tensor_bytes` gives
+  the tensors its scheme converts (values and scales), so `tensors` counts checkpoint tensors
+  either way.
+- With weights on disk an FP8 tensor's bytes include its block scales (`stored_names`: the
+  loader's own list of what a binding reads).
 - No tensor data is read and no parameter is materialised.
 """
 
@@ -18,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from metrale_jax.checkpoint import bindings
+from metrale_jax.checkpoint import bindings, stored_names
 from metrale_jax.memory.plan import Term
 from metrale_jax.memory.source import ModelSource
+from metrale_jax.params import param_specs
+from metrale_jax.quantization import converts, tensor_bytes
 
 WEIGHTS = "weights"
 _MIXERS = {"gdn": "layers: gated deltanet", "attn": "layers: attention", "mlp": "layers: mlp"}
@@ -63,14 +69,27 @@ def weight_terms(source: ModelSource, dtype: Any, divisors: Mapping[tuple, int] 
                 source.tensors[n].dtype,
             )
             for b in source.bindings
-            for n in b.names
+            for n in stored_names(b, source.tensors)
         )
     itemsize, name = np.dtype(dtype).itemsize, str(np.dtype(dtype))
+    q, specs = source.quantization, param_specs(source.config)
+
+    def stored(b, n, shape) -> tuple[int, str]:
+        conv = converts(q, n, _spec(specs, b.path).kind)
+        return tensor_bytes(shape, itemsize, q, conv), (q.method if conv and q else name)
+
     return _fold(
-        (weight_group(b.path), int(np.prod(shape, dtype=np.int64)) * itemsize // share(b.path), name)
+        (weight_group(b.path), size // share(b.path), kind)
         for b in bindings(source.config)
-        for shape in b.shapes
+        for n, shape in zip(b.names, b.shapes)
+        for size, kind in [stored(b, n, shape)]
     )
+
+
+def _spec(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
 
 
 def outside_bytes(source: ModelSource) -> int:

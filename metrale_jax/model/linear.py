@@ -26,6 +26,7 @@ import numpy as np
 from flax import struct
 
 from kernels_cpu.rows_matmul.api import rows_matmul
+from metrale_jax.model.fp8_linear import Fp8BlockWeight, dense_weight
 from metrale_jax.model.invariant import invariant_product, products_invariant
 
 # The device mesh's axes (`metrale_jax.engine.sharding` builds the mesh): heads, experts.
@@ -162,6 +163,8 @@ def expert_weight(w, e):
     """Expert e's [out, in] weight of an [E, out, in] stack in either layout (a dynamic index)."""
     if isinstance(w, TransposedWeight):
         return TransposedWeight(jax.lax.dynamic_index_in_dim(w.t, e, keepdims=False))
+    if isinstance(w, Fp8BlockWeight):
+        return w.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, axis=a.ndim - 3, keepdims=False))
     return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
 
 
@@ -178,7 +181,9 @@ def with_expert(e, fn, stacks, *args):
 def linear(x, w):
     """x [..., in] @ w[out, in].T -> [..., out], in the activation dtype. An input-major weight's product of a
     few rows runs the CPU rows kernel (`kernels_cpu.rows_matmul`; XLA's dot where it does not apply); in the
-    batch-invariant mode every product does (`metrale_jax.model.invariant`)."""
+    batch-invariant mode every product does (`metrale_jax.model.invariant`). An FP8 block-scaled weight is
+    dequantised inside the product (`fp8_linear.dense_weight`)."""
+    w = dense_weight(w, x)
     if products_invariant():
         return invariant_product(x, w.t if isinstance(w, TransposedWeight) else w.T)
     if isinstance(w, TransposedWeight):
@@ -193,6 +198,7 @@ def linear_per_expert(x, w):
         return jnp.stack([linear(x[e], we) for e, we in enumerate(w.experts)])
     if products_invariant():
         return jnp.stack([linear(x[e], expert_weight(w, e)) for e in range(x.shape[0])])
+    w = dense_weight(w, x)
     if isinstance(w, TransposedWeight):
         return jnp.einsum("eci,eio->eco", x, w.t)
     return jnp.einsum("eci,eoi->eco", x, w)
@@ -205,6 +211,7 @@ def linear_all_experts(x, w):
     weight into another layout: it runs batched over the experts instead, the rows broadcast."""
     if isinstance(w, ExpertLeaves):
         return jnp.stack([linear(x, we) for we in w.experts], axis=-2)
+    w = dense_weight(w, x)
     if isinstance(w, TransposedWeight):
         e = w.t.shape[0]
         return jnp.swapaxes(linear_per_expert(jnp.broadcast_to(x, (e, *x.shape)), w), 0, 1)

@@ -1,0 +1,108 @@
+"""FP8 block-scaled weights (the `quant_method: fp8` releases) and their products.
+
+Owns: `Fp8BlockWeight`, one projection leaf held as the checkpoint ships it (e4m3 values and one
+f32 scale per block), and `dense_weight`, the one point at which `metrale_jax.model.linear`'s
+products turn such a leaf into the activation dtype.
+
+Invariants:
+- `w ≈ q · scale[r // rows_per_scale, c // cols_per_scale]` for the first `q.shape[-2]` rows;
+  the leaf's remaining rows (`tail`, possibly none) are the rows the release keeps at full
+  precision (e.g. the GDN's `in_proj_b` / `in_proj_a`), stored as they are.
+- The model is never held dequantised: each product dequantises its own weight inside the step
+  program (a transient of that one product, in the activation dtype) and multiplies; between
+  products only the e4m3 values and the scales live.
+- FP8 leaves serve on one device: `refuse_on_mesh` refuses a tensor/expert-parallel mesh in one
+  line (their shardings are not written).
+- The dequantised value is `(f32(q) * f32(scale))` cast to the activation dtype: what a CPU
+  reference that dequantises per block and multiplies in bf16/f32 computes (not the GPU engines'
+  dynamic per-token activation quantisation, whose result differs by the activation's rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+from flax import struct
+
+from metrale_jax.errors import MetraleError
+
+#: The stored dtype of a converted weight (safetensors `F8_E4M3`).
+FP8_DTYPE = ml_dtypes.float8_e4m3fn
+
+
+@struct.dataclass
+class Fp8BlockWeight:
+    """A weight [..., out, in] as e4m3 values `q` [..., out_q, in] with f32 `scale`
+    [..., ceil(out_q / block[0]), ceil(in / block[1])], then `tail` [..., out - out_q, in] (rows
+    kept at full precision; None when there are none). `block` is static."""
+
+    # Arrays; shape structs where the memory planner lays out abstract weights.
+    q: Any
+    scale: Any
+    tail: Any = None
+    block: tuple[int, int] = struct.field(pytree_node=False, default=(128, 128))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape [..., out, in]."""
+        rows = self.q.shape[-2] + (0 if self.tail is None else self.tail.shape[-2])
+        return (*self.q.shape[:-2], rows, self.q.shape[-1])
+
+    @property
+    def dtype(self):
+        """The stored dtype of the converted rows (e4m3)."""
+        return self.q.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def map(self, fn) -> Fp8BlockWeight:
+        """The same weight with `fn` applied to each of its arrays' leading (non-matrix) axes:
+        fn(array) must keep the last two axes (e.g. pick an expert)."""
+        return Fp8BlockWeight(fn(self.q), fn(self.scale), None if self.tail is None else fn(self.tail), self.block)
+
+    def __getitem__(self, index) -> Fp8BlockWeight:
+        """Index the leading axes, e.g. `w[..., e, :, :]` (one expert of a stack): `index` must end
+        with the two full matrix slices."""
+        return self.map(lambda a: a[index])
+
+    def dequantise(self, dtype) -> jax.Array:
+        """The [..., out, in] weight in `dtype`: each block's values times its scale, in f32, cast."""
+        rows, cols = self.q.shape[-2:]
+        rb, cb = self.block
+        scale = jnp.repeat(jnp.repeat(self.scale, rb, axis=-2)[..., :rows, :], cb, axis=-1)[..., :cols]
+        w = (self.q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+        if self.tail is None:
+            return w
+        return jnp.concatenate([w, self.tail.astype(dtype)], axis=-2)
+
+
+def dense_weight(w, x):
+    """`w` as an array for a product with activations `x` (in x's dtype): an `Fp8BlockWeight`
+    dequantised (inside the calling program; see the header), anything else as it is.
+    NOTE: the barrier orders the dequantisation after x: the values depend on no activation, and
+    XLA CPU scheduled every layer's dequantised copy at the program's start (the planner measured
+    152 GB of temporaries, the model in bf16, for the 80B FP8 prefill). A no-op on values."""
+    if not isinstance(w, Fp8BlockWeight):
+        return w
+    _, w = jax.lax.optimization_barrier((x, w))
+    return w.dequantise(x.dtype)
+
+
+class Fp8MeshError(MetraleError, ValueError):
+    """FP8 weights asked to run under a device mesh."""
+
+
+def refuse_on_mesh(params, mesh) -> None:
+    """Raise Fp8MeshError when `params` holds FP8 leaves and `mesh` is a tensor/expert-parallel
+    mesh (not None): FP8 checkpoints serve on one device."""
+    fp8 = any(
+        isinstance(x, Fp8BlockWeight)
+        for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, Fp8BlockWeight))
+    )
+    if fp8 and mesh is not None:
+        raise Fp8MeshError("FP8 checkpoints are served on one device: drop --tensor/--expert-parallel-size")
