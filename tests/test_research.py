@@ -9,6 +9,8 @@ import pytest
 
 from metrale_jax import research
 from metrale_jax.engine.capacity import DEFAULT_K_LADDER
+from metrale_jax.engine.sampling import Sampling, per_sequence
+from metrale_jax.engine.speculative import greedy_generate
 
 P, NEW, D = 8, 16, 3
 
@@ -127,3 +129,32 @@ def test_heldout_prompts_are_deterministic_lines():
     assert a == b and all(len(p) == 32 for p in a)
     with pytest.raises(ValueError, match="held-out prompts"):
         research.heldout_prompts(10**7, 32)
+
+
+def test_coupling_run_matches_plain_sampling_and_its_bounds(tiny):
+    """Gumbel speculative sampling with both laws kept (tiny model, two prompts): its tokens are plain
+    sampling's with the same seeds; a verify accepts the leading matches; at temperature 0 a draft matches
+    exactly where the two one-hot laws agree (TV 0, else 1); sampled, the pooled match rate lies within
+    four standard errors of [mean (1 - TV) / (1 + TV), mean (1 - TV)]."""
+    cfg, params = tiny
+    study = research.Study(cfg, params, max_width=2, max_drafts=2, max_seq_len=64)
+    prompts = [[int(x) for x in np.random.default_rng(3).integers(0, 256, size=n)] for n in (7, 12)]
+    sampled = Sampling(temperature=0.7, top_p=0.9, seed=11)
+    for sampling in (Sampling(), sampled):
+        c = study.coupling(prompts, 12, 2, sampling)
+        n = len(c.run.seq)
+        chex.assert_shape([c.match, c.tv], (n, 2))
+        np.testing.assert_array_equal(c.run.accepted, np.cumprod(c.match, axis=1).sum(1))
+        assert ((c.tv >= -1e-6) & (c.tv <= 1 + 1e-6)).all()
+        b = c.bounds()
+        assert (b["lower"] <= b["upper"] + 1e-9).all()
+        if sampling.greedy:
+            np.testing.assert_array_equal(c.match, c.tv < 0.5)
+            np.testing.assert_allclose(c.tv, np.round(c.tv), atol=1e-6)
+            assert c.run.tokens == study.greedy(prompts, 12)
+        else:
+            plain = greedy_generate(study.engine, prompts, 12, sampling=per_sequence(sampled, 2))
+            assert c.run.tokens == plain
+            rate, lower, upper = b["pooled"]
+            se = np.sqrt(max(lower * (1 - lower), 0.05) / c.match.size)
+            assert lower - 4 * se <= rate <= upper + 4 * se, b
