@@ -9,7 +9,10 @@ Cases, each over n prompts generated together:
   largest d, composed (the separate verify, stash, fold, commit and propose programs; `modes_at`), against
   `greedy_generate`;
 - the realistic-width model (`e2e_oracle_model`, random weights) with oracle drafts (`OracleDrafts`), so
-  the engine's cost is measured apart from a drafter's quality.
+  the engine's cost is measured apart from a drafter's quality;
+- `small` sampled (`e2e_sample_ns` prompts, temperature `e2e_temperature`, top-p `e2e_top_p`, prompt i
+  seeded `seed` + i): gumbel speculative sampling (the coupled MTP drafter) at the largest draft count,
+  fused, against plain sampling on the non-speculative engine (the "sampled_rows" of the result).
 
 Engines: greedy runs on a non-speculative engine (a serve without --speculative: its decode runs no
 drafter catch-up); each draft count d has its own speculative engine with num_drafts = d (verify rows are
@@ -22,7 +25,9 @@ steady state (`metrale_jax.engine.throughput`): after the warm-up, the tokens em
 report (after the prefill) to its last over the time between them (tokens past max_new_tokens per prompt are
 not counted). The ratio is the median of the per-round ratios speculative / greedy.
 
-Invariant checked on every call: speculative generation emits exactly the greedy tokens ("same").
+Invariant checked on every call: speculative generation emits exactly the greedy tokens ("same"); sampled,
+exactly plain sampling's tokens with the same seeds. Every row also gives the acceptance by draft position
+(accepted / verified drafts at each position, over every step of its calls).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from benchmarks.settings import Settings
 from benchmarks.steps import max_seq_len_for
 from benchmarks.timing import Stats
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sampling import Sampling, per_sequence
 from metrale_jax.engine.speculative import DraftSchedule, DraftSource, greedy_generate, speculative_generate
 from metrale_jax.engine.throughput import StepClock
 from metrale_jax.research import heldout_prompts
@@ -105,6 +111,22 @@ class Variant:
     tokens_per_verify: float = float("nan")
     verify_steps: int = 0
     same: bool = True
+    verified: np.ndarray | None = None  # drafts verified at each position, over its calls
+    accepted: np.ndarray | None = None  # drafts accepted at each position, over its calls
+
+    def count(self, steps) -> None:
+        """Add the drafts verified and accepted at each position by `steps` (`StepRecord`s)."""
+        ks = np.array([k for st in steps for k in st.ks])
+        acc = np.array([a for st in steps for a in st.accepted])
+        pos = np.arange(self.drafts)[None, :]
+        verified, accepted = (pos < ks[:, None] - 1).sum(0), (pos < acc[:, None]).sum(0)
+        self.verified = verified if self.verified is None else self.verified + verified
+        self.accepted = accepted if self.accepted is None else self.accepted + accepted
+
+    def acceptance_by_position(self) -> list[float]:
+        """Accepted / verified drafts at each draft position (NaN where none was verified)."""
+        assert self.verified is not None and self.accepted is not None
+        return [float(a / v) if v else float("nan") for a, v in zip(self.accepted, self.verified)]
 
 
 def _case(
@@ -115,24 +137,35 @@ def _case(
     rounds: int,
     draft_source: DraftSource | None,
     reference: list[list[int]],
+    sampling: Sampling | None,
 ) -> list[float]:
-    """Warm up `variants` and time them against greedy (warmed up by the call that gave `reference`) over
-    `prompts`; fills each variant's figures and returns greedy's tokens/s per round."""
+    """Warm up `variants` and time them against plain decoding (warmed up by the call that gave
+    `reference`) over `prompts`, greedy or with `sampling` (prompt i seeded seed + i); fills each variant's
+    figures and returns plain decoding's tokens/s per round."""
+    per_prompt = per_sequence(sampling, len(prompts))
 
     def greedy() -> float:
         clock = StepClock(greedy_engine.programs)
-        out = greedy_generate(greedy_engine, prompts, new_tokens, progress=clock)
+        out = greedy_generate(greedy_engine, prompts, new_tokens, progress=clock, sampling=per_prompt)
         if out != reference:
-            raise RuntimeError("greedy generation is not deterministic across calls")
+            raise RuntimeError("plain generation is not deterministic across calls")
         return clock.rate()
 
     def spec(v: Variant) -> float:
         clock = StepClock(v.engine.programs)
         schedule = DraftSchedule(v.drafts, v.engine.settings.k_ladder)
         res = speculative_generate(
-            v.engine, prompts, new_tokens, schedule, draft_source, fused=v.mode == "fused", progress=clock
+            v.engine,
+            prompts,
+            new_tokens,
+            schedule,
+            draft_source,
+            fused=v.mode == "fused",
+            progress=clock,
+            sampling=per_prompt,
         )
         v.same = v.same and res.tokens == reference
+        v.count(res.steps)
         v.verify_steps = len(res.steps)
         v.tokens_per_verify = res.emitted / max(sum(len(st.seqs) for st in res.steps), 1)
         return clock.rate()
@@ -164,10 +197,23 @@ def _engines(cfg, params, drafts: Sequence[int], *, max_batch: int, max_seq_len:
 
 
 def _rows(
-    label: str, cfg, params, prompts_for, ns, drafts, new_tokens: int, rounds: int, oracle: float | None, seed: int
+    label: str,
+    cfg,
+    params,
+    prompts_for,
+    ns,
+    drafts,
+    new_tokens: int,
+    rounds: int,
+    oracle: float | None,
+    seed: int,
+    sampling: Sampling | None = None,
 ) -> list[dict]:
     """Every (n, d, mode) row of one model: `prompts_for(n)` gives n prompts; `oracle` the planted acceptance
-    of oracle drafts (None: the engine's MTP drafter)."""
+    of oracle drafts (None: the engine's MTP drafter); `sampling`: plain and gumbel speculative sampling
+    (prompt i seeded seed + i), fused only, instead of greedy decoding.
+    NOTE: sampled rows time the fused step alone: the composed sampled path is what the tests check
+    token for token, and each mode's warm-up compiles its own sampled programs."""
     longest = max(len(p) for p in prompts_for(max(ns)))
     max_seq_len = max_seq_len_for(longest + new_tokens + max(drafts) + 2)
     greedy_engine, spec_engines = _engines(cfg, params, drafts, max_batch=max(ns), max_seq_len=max_seq_len)
@@ -177,14 +223,23 @@ def _rows(
         # The reference (with the oracle: the continuation it replays, past the last draft) is greedy's
         # warm-up call: it compiles every program the timed greedy calls run.
         t0 = time.perf_counter()
-        continuation = greedy_generate(greedy_engine, prompts, new_tokens + (max(drafts) + 1 if oracle else 0))
+        continuation = greedy_generate(
+            greedy_engine,
+            prompts,
+            new_tokens + (max(drafts) + 1 if oracle else 0),
+            sampling=per_sequence(sampling, len(prompts)),
+        )
         greedy_first = time.perf_counter() - t0
         reference = [c[:new_tokens] for c in continuation]
         source = (
             None if oracle is None else OracleDrafts(prompts, continuation, oracle, vocab=cfg.vocab_size, seed=seed)
         )
-        variants = [Variant(spec_engines[d], d, mode) for d in drafts for mode in modes_at(d, drafts)]
-        greedy_rates = _case(greedy_engine, variants, prompts, new_tokens, rounds, source, reference)
+        variants = [
+            Variant(spec_engines[d], d, mode)
+            for d in drafts
+            for mode in (modes_at(d, drafts) if sampling is None else MODES[:1])
+        ]
+        greedy_rates = _case(greedy_engine, variants, prompts, new_tokens, rounds, source, reference, sampling)
         g = Stats.of(greedy_rates)
         for v in variants:
             row = {
@@ -204,9 +259,12 @@ def _rows(
                 "same_tokens": v.same,
                 "greedy_first_s": greedy_first,
                 "spec_first_s": v.first_s,
+                "sampling": None if sampling is None else sampling.describe(),
+                "acceptance_by_position": v.acceptance_by_position(),
             }
             _log(
-                f"{label} n={n} d={v.drafts} {v.mode}: greedy {g.median:.0f} tok/s, speculative "
+                f"{label}{'' if sampling is None else ' ' + sampling.describe()} n={n} d={v.drafts} {v.mode}: "
+                f"plain {g.median:.0f} tok/s, speculative "
                 f"{statistics.median(v.rates):.0f} tok/s, x{row['ratio']['median']:.2f}, "
                 f"{v.tokens_per_verify:.2f} tokens/verify/seq, same tokens {v.same}"
             )
@@ -218,9 +276,12 @@ def run(s: Settings) -> dict:
     """The section from the `e2e_*` fields of `s` (see the module docstring); a model whose list of n is
     empty is not run."""
     rows: list[dict] = []
-    if s.e2e_ns:
+    sampled: list[dict] = []
+    sampling = Sampling(temperature=s.e2e_temperature, top_p=s.e2e_top_p, seed=s.seed)
+    if s.e2e_ns or s.e2e_sample_ns:
         cfg, params = models.model(DRAFTER_MODEL)
-        texts = heldout_prompts(max(s.e2e_ns), s.e2e_prompt_len, seed=s.seed)
+        texts = heldout_prompts(max(s.e2e_ns + s.e2e_sample_ns), s.e2e_prompt_len, seed=s.seed)
+    if s.e2e_ns:
         rows += _rows(
             DRAFTER_MODEL,
             cfg,
@@ -232,6 +293,20 @@ def run(s: Settings) -> dict:
             s.e2e_rounds,
             None,
             s.seed,
+        )
+    if s.e2e_sample_ns:
+        sampled = _rows(
+            DRAFTER_MODEL,
+            cfg,
+            params,
+            lambda n: texts[:n],
+            s.e2e_sample_ns,
+            [max(s.e2e_drafts)],
+            s.e2e_new_tokens,
+            s.e2e_rounds,
+            None,
+            s.seed,
+            sampling,
         )
     if s.e2e_oracle_ns:
         ocfg, oparams = models.model(s.e2e_oracle_model)
@@ -249,4 +324,10 @@ def run(s: Settings) -> dict:
             s.e2e_accept,
             s.seed,
         )
-    return {"rounds": s.e2e_rounds, "prompt_len": s.e2e_prompt_len, "modes": list(MODES), "rows": rows}
+    return {
+        "rounds": s.e2e_rounds,
+        "prompt_len": s.e2e_prompt_len,
+        "modes": list(MODES),
+        "rows": rows,
+        "sampled_rows": sampled,
+    }

@@ -84,6 +84,9 @@ class Settings:
     e2e_oracle_new_tokens: int
     e2e_accept: float  # e2e: the oracle's chance that a draft position is right
     e2e_rounds: int  # e2e: timed rounds, greedy and both speculative modes alternated in each
+    e2e_sample_ns: list[int]  # e2e: prompts generated together on `small`, sampled (gumbel speculative sampling)
+    e2e_temperature: float  # e2e: the sampled rows' temperature
+    e2e_top_p: float  # e2e: the sampled rows' top-p
     anatomy_model: str  # anatomy: the model whose step programs are dissected
     anatomy_dot_model: str  # anatomy: the model whose largest projection the product sweep runs
     anatomy_drafts: list[int]  # anatomy: a speculative engine per draft count

@@ -6,14 +6,22 @@ the schedule constructors (`flat_schedule`, `ladder_schedule`), `ScheduleRun` (t
 summaries (mean accepted length, acceptance by draft position, tokens per verify row, confidence
 calibration, the trade-off of a confidence cut-off), `Study.sweep`, the wall-clock measurement
 (`Study.throughput` -> `Throughput`, on `Study.serving` engines, each sized as a serve, and
-`machine_label`, the machine it ran on), `study_for` (a cached study of a checkpoint, with the
-checkpoint's own tokenizer) and `heldout_prompts` (prompts from the small model's held-out text,
-encoded by a given tokenizer: bytes by default).
+`machine_label`, the machine it ran on), gumbel speculative sampling with both laws at every drafted
+position (`coupled_generate`, `Study.coupling` -> `CouplingRun`, its match rates against the coupling's
+bounds), `study_for` (a cached study of a checkpoint, with the checkpoint's own tokenizer) and
+`heldout_prompts` (prompts from the small model's held-out text, encoded by a given tokenizer: bytes by
+default).
 
 Invariants:
 - Runs are greedy: every emitted token is the verify's argmax, so a run's tokens equal plain
   greedy decoding whatever the schedule (`speculative_generate`'s invariant); a schedule moves
-  only acceptance and cost.
+  only acceptance and cost. A coupling run samples (gumbel mode): every emitted token is the
+  target's draw at its position, so its tokens equal plain sampling with the same seeds.
+- In a coupling run the drafter's draft at drafted position j and the target's draw at verify row
+  j condition on the same prefix (the anchor and drafts before j) and share the Gumbel noise of
+  their position, so at every drafted position, reached or not, the match is a coupled draw:
+  P(match) >= (1 - TV) / (1 + TV) of the two filtered laws there (Daliri, Musco and Suresh 2024),
+  and no coupling exceeds 1 - TV.
 - Draft position j (0-based) of a step is *reached* when drafts 0..j-1 were all accepted; it is
   *accepted* when reached and equal to the verify's argmax (greedy prefix acceptance), so
   `accepted_at[:, j]` implies `reached[:, j]` and `accepted == accepted_at.sum(1)`.
@@ -41,8 +49,16 @@ import numpy as np
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import DEFAULT_K_LADDER, KLadder
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sampling import Sampling, SamplingRows, per_sequence, probabilities
 from metrale_jax.engine.settings import parse_k_ladder, resolve_settings
-from metrale_jax.engine.speculative import DraftSchedule, GenerationResult, greedy_generate, speculative_generate
+from metrale_jax.engine.speculative import (
+    DraftSchedule,
+    GenerationResult,
+    StepRecord,
+    accepted_drafts,
+    greedy_generate,
+    speculative_generate,
+)
 from metrale_jax.engine.throughput import StepClock
 from metrale_jax.hub_cache import checkpoint_directory
 from metrale_jax.presets import resolve_checkpoint
@@ -304,6 +320,106 @@ class Throughput:
         return float(np.median(self.greedy_seconds) / np.median(self.speculative_seconds))
 
 
+@dataclasses.dataclass(frozen=True)
+class CouplingRun:
+    """One gumbel speculative sampling run (`coupled_generate`) under a flat schedule of D drafts:
+    `run` its step rows (`ScheduleRun`: acceptance by position, tokens per verify), and per step
+    row (N) and drafted position (D): `match` bool [N, D], the draft equals the target's draw at
+    its position; `tv` float [N, D], the total variation between the drafter's and the target's
+    filtered laws (`sampling.probabilities`) there. `sampling`: the first prompt's parameters
+    (prompt i draws with seed + i)."""
+
+    sampling: Sampling
+    run: ScheduleRun
+    match: np.ndarray
+    tv: np.ndarray
+
+    def bounds(self) -> dict[str, np.ndarray]:
+        """Per drafted position, float [D]: `match_rate` (measured), `lower` (mean (1 - TV) / (1 +
+        TV): the coupling's guarantee on average) and `upper` (mean 1 - TV: no coupling matches
+        more); under `pooled`, float [3], the same three over every drafted position."""
+        lower, upper = (1.0 - self.tv) / (1.0 + self.tv), 1.0 - self.tv
+        cols = (self.match.astype(np.float64), lower, upper)
+        return {
+            "match_rate": cols[0].mean(0),
+            "lower": cols[1].mean(0),
+            "upper": cols[2].mean(0),
+            "pooled": np.array([c.mean() for c in cols]),
+        }
+
+
+def _laws(engine: Engine, logits: np.ndarray, params: Sequence[Sampling]) -> np.ndarray:
+    """The filtered law (`sampling.probabilities`) of each logits row [R, V] under its sequence's
+    parameters `params` [R]: float64 [R, V].
+    NOTE: rows are padded to a multiple of 64, so a run compiles the law once per few widths,
+    not once per step."""
+    r = logits.shape[0]
+    b = -(-r // 64) * 64
+    rows = SamplingRows.padded(engine.counts, b)
+    for i, s in enumerate(params):
+        rows.set_row(i, s)
+    padded = np.zeros((b, logits.shape[1]), np.float32)
+    padded[:r] = logits
+    return np.asarray(_jit_probabilities(padded, rows), np.float64)[:r]
+
+
+_jit_probabilities = jax.jit(probabilities)
+
+
+def coupled_generate(
+    engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_drafts: int, sampling: Sampling
+) -> tuple[GenerationResult, np.ndarray, np.ndarray]:
+    """Gumbel speculative sampling of all prompts as one batch (prompt i with `sampling`'s seed +
+    i; temperature 0: greedy), `num_drafts` drafts per verify from the engine's coupled MTP
+    drafter, composed (propose, verify, host acceptance, `Engine.accept`), keeping both laws: the
+    drafter's logits at each drafted position come from a propose of that many drafts (drafts
+    do not depend on how many follow them), the target's from the verify.
+
+    Returns (the result, as `speculative_generate`'s: tokens equal plain sampling's with the
+    same seeds; match bool [N, D] and tv float [N, D] per step row in `StepRecord` order, as
+    `CouplingRun` says). Raises EngineError where the engine cannot draft `num_drafts`."""
+    each = per_sequence(sampling, len(prompts))
+    assert each is not None
+    chosen = None if sampling.greedy else each
+    seqs = [engine.alloc_sequence() for _ in prompts]
+    try:
+        tokens = []
+        for s, p, smp in zip(seqs, prompts, each):
+            tokens.append([engine.prefill_sampled(s, p, smp)[1] if chosen else int(engine.prefill(s, p).argmax())])
+        active, steps, matches, tvs = list(range(len(prompts))), [], [], []
+        while active:
+            batch, last = [seqs[i] for i in active], [tokens[i][-1] for i in active]
+            mine = None if chosen is None else [chosen[i] for i in active]
+            q_logits = []
+            for j in range(1, num_drafts + 1):
+                drafts, conf, logits = engine.propose_batched(batch, last, j, mine)
+                for s in batch:
+                    engine.trim_proposer(s)
+                q_logits.append(logits)
+            ks = [num_drafts + 1] * len(active)
+            flat = [t for a, row in zip(last, drafts) for t in (a, *row)]
+            p_logits, draws = engine.verify_batched(batch, flat, ks, mine)
+            draws = np.asarray(draws).reshape(len(active), num_drafts + 1)
+            accepted = [accepted_drafts(flat[r * ks[r] : (r + 1) * ks[r]], draws[r]) for r in range(len(active))]
+            engine.accept(batch, accepted)
+            steps.append(StepRecord(list(active), ks, accepted, drafts.tolist(), conf.tolist()))
+            matches.append(drafts == draws[:, :num_drafts])
+            row_params = [each[i] for i in active for _ in range(num_drafts)]
+            v = p_logits.shape[-1]
+            target = np.asarray(p_logits).reshape(len(active), num_drafts + 1, v)[:, :num_drafts]
+            p_law = _laws(engine, target.reshape(-1, v), row_params)
+            q_law = _laws(engine, np.stack(q_logits, 1).reshape(-1, v), row_params)
+            tvs.append(0.5 * np.abs(p_law - q_law).sum(-1).reshape(len(active), num_drafts))
+            for i, row, a in zip(active, draws, accepted):
+                tokens[i] += [int(t) for t in row[: a + 1]]
+            active = [i for i in active if len(tokens[i]) < max_new_tokens]
+        result = GenerationResult([t[:max_new_tokens] for t in tokens], steps)
+        return result, np.concatenate(matches), np.concatenate(tvs)
+    finally:
+        for s in reversed(seqs):
+            engine.free_sequence(s)
+
+
 def machine_label() -> str:
     """The machine a measurement runs on, for a figure: the CPU model (/proc/cpuinfo's first
     `model name`, else `platform.processor()`), the cores this process may run on, the 1-minute
@@ -429,6 +545,30 @@ class Study:
                 run = self.run(prompts, max_new_tokens, sched, width=w)
                 rows.append({"label": label, "num_drafts": sched.num_drafts, "width": w, "run": run, **run.summary()})
         return rows
+
+    def coupling(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        num_drafts: int,
+        sampling: Sampling,
+        width: int | None = None,
+    ) -> CouplingRun:
+        """Gumbel speculative sampling (`coupled_generate`) of `max_new_tokens` per prompt, `width`
+        prompts at a time (default: all), `num_drafts` drafts per verify; prompt i draws with
+        `sampling`'s seed + i whatever its group. Raises ValueError as `run` does."""
+        if not 1 <= num_drafts <= self.max_drafts:
+            raise ValueError(f"num_drafts {num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
+        width, groups = self._groups(prompts, max_new_tokens, width)
+        parts, matches, tvs = [], [], []
+        for idx in groups:
+            first = dataclasses.replace(sampling, seed=sampling.seed + idx[0])
+            res, match, tv = coupled_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, num_drafts, first)
+            parts.append((idx, res))
+            matches.append(match)
+            tvs.append(tv)
+        run = ScheduleRun.from_generations(flat_schedule(num_drafts), width, max_new_tokens, parts)
+        return CouplingRun(sampling, run, np.concatenate(matches), np.concatenate(tvs))
 
     def throughput(
         self,

@@ -123,10 +123,16 @@ def test_e2e_section_generates_the_greedy_tokens_both_ways(smoke):
         ("tiny-2L", "oracle", 2, 2, "composed"),
     ]
     assert [modes_at(d, [1, 2, 3]) for d in (1, 2, 3)] == [("fused",), ("fused",), ("fused", "composed")]
-    for r in rows:
+    sampled = saved["sections"]["e2e"]["sampled_rows"]
+    assert [(r["model"], r["sampling"], r["n"], r["drafts"], r["mode"]) for r in sampled] == [
+        ("small", "T 0.7, top-p 0.9, seed 0", 1, 1, "fused")
+    ]
+    for r in rows + sampled:
         assert r["same_tokens"] and r["verify_steps"] > 0
         assert 1 <= r["tokens_per_verify_per_seq"] <= r["drafts"] + 1
         assert r["spec_tok_s"]["median"] > 0 and r["greedy_tok_s"]["median"] > 0 and r["ratio"]["median"] > 0
+        assert len(r["acceptance_by_position"]) == r["drafts"]
+        assert all(0 <= a <= 1 for a in r["acceptance_by_position"])
 
 
 def test_multiturn_section_saves_prefill_tokens_and_generates_the_same_tokens(smoke):
@@ -342,6 +348,7 @@ def test_default_run_times_the_realistic_width_models_at_their_own_sizes():
         [1, 8],
         0.8,
     )
+    assert (s.e2e_sample_ns, s.e2e_temperature, s.e2e_top_p) == ([1, 8], 0.7, 0.9)
     h512, h1024 = models.config("qwen3-next-h512"), models.config("qwen35-moe-h1024")
     assert (h512.hidden_size, h512.num_hidden_layers, h512.num_experts, h512.num_experts_per_tok) == (512, 8, 8, 2)
     assert 44e6 < models.parameter_count(h512.replace(num_mtp_layers=0)) < 46e6  # the 45 M checkpoint
@@ -374,10 +381,13 @@ def test_e2e_runs_only_the_models_given_sizes(monkeypatch):
         loaded.clear(), ran.clear()
         return e2e.run(cli.resolve(cli.parse(list(argv))))
 
-    assert run("--e2e-ns", "", "--e2e-oracle-ns", "")["rows"] == [] and loaded == ran == []
-    run("--e2e-ns", "", "--e2e-oracle-ns", "1", "--e2e-oracle-model", "tiny-2L")
+    none = ("--e2e-sample-ns", "")
+    assert run("--e2e-ns", "", "--e2e-oracle-ns", "", *none)["rows"] == [] and loaded == ran == []
+    run("--e2e-ns", "", "--e2e-oracle-ns", "1", "--e2e-oracle-model", "tiny-2L", *none)
     assert loaded == ["tiny-2L"] and ran == [("tiny-2L", [1])]
-    run("--e2e-ns", "1,8", "--e2e-oracle-ns", "")
+    run("--e2e-ns", "1,8", "--e2e-oracle-ns", "", *none)
+    assert loaded == [e2e.DRAFTER_MODEL] and ran == [(e2e.DRAFTER_MODEL, [1, 8])]
+    run("--e2e-ns", "", "--e2e-oracle-ns", "")  # the sampled rows alone, at their default n
     assert loaded == [e2e.DRAFTER_MODEL] and ran == [(e2e.DRAFTER_MODEL, [1, 8])]
 
 

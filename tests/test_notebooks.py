@@ -10,7 +10,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 FIGURES = {
-    "acceptance_by_position.py": ["acceptance_by_position.png"],
+    "acceptance_by_position.py": ["acceptance_by_position.png", "acceptance_vs_temperature.png"],
     "throughput_vs_drafts.py": ["throughput_vs_drafts.png"],
     "confidence_calibration.py": ["confidence_calibration.png", "confidence_cutoff.png"],
 }

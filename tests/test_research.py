@@ -11,6 +11,8 @@ import pytest
 
 from metrale_jax import research
 from metrale_jax.engine.capacity import DEFAULT_K_LADDER
+from metrale_jax.engine.sampling import Sampling, per_sequence
+from metrale_jax.engine.speculative import greedy_generate
 from metrale_jax.tokenizer import HFTokenizer, load_tokenizer
 
 P, NEW, D = 8, 16, 3
@@ -159,3 +161,32 @@ def test_a_study_of_an_hf_checkpoint_runs_its_own_tokens():
     assert all(max(p) < study.cfg.vocab_size for p in prompts)
     run = study.run(prompts, 6, research.flat_schedule(2))
     assert run.tokens == study.greedy(prompts, 6)
+
+
+def test_coupling_run_matches_plain_sampling_and_its_bounds(tiny):
+    """Gumbel speculative sampling with both laws kept (tiny model, two prompts): sampled, its tokens
+    are plain sampling's with the same seeds (prompt i seeded seed + i); a verify accepts the leading
+    matches; at temperature 0 a draft matches exactly where the two one-hot laws agree (TV 0, else 1);
+    sampled, the pooled match rate lies within four standard errors of [mean (1 - TV) / (1 + TV),
+    mean (1 - TV)]."""
+    cfg, params = tiny
+    study = research.Study(cfg, params, max_width=2, max_drafts=2, max_seq_len=64)
+    prompts = [[int(x) for x in np.random.default_rng(3).integers(0, 256, size=n)] for n in (7, 12)]
+    sampled = Sampling(temperature=0.7, top_p=0.9, seed=11)
+    for sampling in (Sampling(), sampled):
+        c = study.coupling(prompts, 12, 2, sampling)
+        n = len(c.run.seq)
+        chex.assert_shape([c.match, c.tv], (n, 2))
+        np.testing.assert_array_equal(c.run.accepted, np.cumprod(c.match, axis=1).sum(1))
+        assert ((c.tv >= -1e-6) & (c.tv <= 1 + 1e-6)).all()
+        b = c.bounds()
+        assert (b["lower"] <= b["upper"] + 1e-9).all()
+        if sampling.greedy:
+            np.testing.assert_array_equal(c.match, c.tv < 0.5)
+            np.testing.assert_allclose(c.tv, np.round(c.tv), atol=1e-6)
+        else:
+            plain = greedy_generate(study.engine, prompts, 12, sampling=per_sequence(sampled, 2))
+            assert c.run.tokens == plain
+            rate, lower, upper = b["pooled"]
+            se = np.sqrt(max(lower * (1 - lower), 0.05) / c.match.size)
+            assert lower - 4 * se <= rate <= upper + 4 * se, b

@@ -27,6 +27,13 @@ COMMANDS: dict[str, Command] = {
             click.Option(["--e2e-oracle-new-tokens"], type=int, help="tokens per prompt, oracle drafts, default 48"),
             click.Option(["--e2e-accept"], type=float, help="the oracle's chance a draft is right, default 0.8"),
             click.Option(["--e2e-rounds"], type=int, help="timed rounds, default 3"),
+            click.Option(
+                ["--e2e-sample-ns"],
+                callback=ints,
+                help="prompts generated together on small, sampled (gumbel mode), default 1,8",
+            ),
+            click.Option(["--e2e-temperature"], type=float, help="the sampled rows' temperature, default 0.7"),
+            click.Option(["--e2e-top-p"], type=float, help="the sampled rows' top-p, default 0.9"),
         ),
     )
 }
@@ -45,6 +52,9 @@ def resolve(a: Options, p: Preset) -> dict[str, Any]:
         e2e_oracle_new_tokens=p.pick(a.get("e2e_oracle_new_tokens"), 48, 8),
         e2e_accept=p.pick(a.get("e2e_accept"), 0.8, 0.8),
         e2e_rounds=p.pick(a.get("e2e_rounds"), 3, 1),
+        e2e_sample_ns=p.pick(a.get("e2e_sample_ns"), [1, 8], [1]),
+        e2e_temperature=p.pick(a.get("e2e_temperature"), 0.7, 0.7),
+        e2e_top_p=p.pick(a.get("e2e_top_p"), 0.9, 0.9),
     )
 
 
@@ -92,6 +102,23 @@ def table(r: dict) -> Table:
         "same tokens",
         "1st call s greedy/spec",
     )
+    sampled = [_sampled_row(c, r["rows"]) for c in r.get("sampled_rows", [])]
+    sampled_headers = (
+        "model",
+        "sampling",
+        "n",
+        "new",
+        "drafts",
+        "mode",
+        "plain tok/s",
+        "speculative tok/s",
+        "spec/plain",
+        "per-round",
+        "greedy's spec/greedy",
+        "tokens/verify/seq",
+        "acceptance by position",
+        "same tokens",
+    )
     return Table(
         f"End to end: speculative vs plain greedy generation, steady-state tokens/s, {r['rounds']} rounds "
         f"alternated after a warm-up call each; prompts of {r['prompt_len']} tokens",
@@ -102,6 +129,39 @@ def table(r: dict) -> Table:
             "count on its own speculative engine (num_drafts = drafts, default K ladder); fused = one program per "
             "scheduler step, composed = verify, stash, fold, commit, propose one by one; oracle = the greedy "
             "continuation replayed, each draft position right with probability p (seeded)",
+            "sampled (second grid): gumbel speculative sampling (the MTP drafter drafts with the target's noise), "
+            "fused, against plain sampling on the non-speculative engine, prompt i seeded seed + i; "
+            "greedy's spec/greedy: the first grid's ratio at the same n, drafts and mode; "
+            "acceptance: accepted / verified drafts at each "
+            "draft position over every call",
         ),
-        grids=(Grid(headers, rows, left=(0, 1, 5, 12)),),
+        grids=(
+            Grid(headers, rows, left=(0, 1, 5, 12)),
+            *([Grid(sampled_headers, sampled, left=(0, 1, 5, 12, 13))] if sampled else []),
+        ),
+    )
+
+
+def _sampled_row(c: dict, greedy_rows: list[dict]) -> tuple[str, ...]:
+    """One sampled row's cells, with greedy's ratio at the same (n, drafts, mode) where the section ran it."""
+    same = [
+        g
+        for g in greedy_rows
+        if (g["model"], g["n"], g["drafts"], g["mode"]) == (c["model"], c["n"], c["drafts"], c["mode"])
+    ]
+    return (
+        c["model"],
+        c["sampling"],
+        str(c["n"]),
+        str(c["new_tokens"]),
+        str(c["drafts"]),
+        c["mode"],
+        median_range(c["greedy_tok_s"], 1, ".0f"),
+        median_range(c["spec_tok_s"], 1, ".0f"),
+        f"{c['ratio']['median']:.2f}x",
+        quartiles(c["ratio"]),
+        f"{same[0]['ratio']['median']:.2f}x" if same else "-",
+        f"{c['tokens_per_verify_per_seq']:.2f}",
+        " ".join(f"{a:.2f}" for a in c["acceptance_by_position"]),
+        "yes" if c["same_tokens"] else "NO",
     )
