@@ -188,13 +188,13 @@ class MutantEngine(Engine):
         if self.shared != "propose-untrimmed":
             super().trim_proposer(seq, keep)
 
-    def verify_batched(self, seqs, tokens, ks):
+    def verify_batched(self, seqs, tokens, ks, sampling=None):
         if self.mutant != "mutant-wrong-slot" or len(seqs) < 2:
-            return super().verify_batched(seqs, tokens, ks)
+            return super().verify_batched(seqs, tokens, ks, sampling)
         a, b = seqs[0], seqs[1]
         a.slot, b.slot = b.slot, a.slot
         try:
-            return super().verify_batched(seqs, tokens, ks)
+            return super().verify_batched(seqs, tokens, ks, sampling)
         finally:
             a.slot, b.slot = b.slot, a.slot
 
