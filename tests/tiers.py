@@ -148,6 +148,7 @@ RULES: tuple[Rule, ...] = (
         only=("test_each_k_is_capped_by_its_slots_verify_capacity", "test_each_mode_passes_with_a_control_that_fires"),
         uses=("tiny_engine", "moe_engine"),
     ),
+    Rule("test_sampling.py", SUBPROCESS, only=("test_generate_samples_by_seed_and_speculative_prints_the_same_text",)),
     Rule("test_diff_controls.py", SLOW, only=("test_swap_passes_with_every_control_firing",)),
     Rule("test_mutants.py", SLOW),
     Rule("test_mutants_coverage.py", SLOW),
