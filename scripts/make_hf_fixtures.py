@@ -407,6 +407,23 @@ def run_protocol(model, prompt: np.ndarray, n_decode: int, feed: np.ndarray | No
     return torch.cat(rows, 0).numpy().astype(np.float32), np.asarray(tokens, dtype=np.int64)
 
 
+def write_golden(model, spec: dict, folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The protocol on the spec's prompt in float32 (greedy) and in bf16 (fed the f32 tokens), written
+    to `folder`/golden.npz. Returns (logits_f32, logits_bf16), both float32 [P+N, V]."""
+    prompt = np.random.default_rng(spec["seed"] + 7).integers(0, spec["vocab_size"], PROMPT_LEN)
+    logits_f32, tokens = run_protocol(model, prompt, DECODE_LEN)
+    logits_bf16, tokens_b = run_protocol(to_bf16(model), prompt, DECODE_LEN, feed=tokens)
+    assert np.array_equal(tokens, tokens_b)
+    np.savez_compressed(
+        folder / "golden.npz",
+        tokens=tokens.astype(np.int32),
+        prompt_len=np.int32(PROMPT_LEN),
+        logits_f32=logits_f32,
+        logits_bf16=logits_bf16.astype(np.float32),
+    )
+    return logits_f32, logits_bf16
+
+
 def to_bf16(model):
     """The model as `from_pretrained(..., dtype=torch.bfloat16)` gives it: every parameter bf16 (A_log,
     dt_bias and the norm weights included: these models keep nothing in fp32), while the rotary
@@ -459,23 +476,13 @@ def make_fixture(name: str, spec: dict, out_root: Path, validate: bool) -> dict:
     tie = spec["tie_word_embeddings"]
     check_config(model, spec, folder)
 
-    prompt = np.random.default_rng(spec["seed"] + 7).integers(0, spec["vocab_size"], PROMPT_LEN)
-    logits_f32, tokens = run_protocol(model, prompt, DECODE_LEN)
-    logits_bf16, tokens_b = run_protocol(to_bf16(model), prompt, DECODE_LEN, feed=tokens)
-    assert np.array_equal(tokens, tokens_b)
+    logits_f32, logits_bf16 = write_golden(model, spec, folder)
     # The rows whose argmax chose a decode token must not be near-ties.
     assert top2_gap(logits_f32[PROMPT_LEN - 1 : -1]) > 0.1, f"{name}: near-tie greedy choice; change seed"
 
     release = hf_to_release(model.state_dict(), fam, tie)
     release.update(mtp_tensors(release, spec, rng))
     save_file(release, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    np.savez_compressed(
-        folder / "golden.npz",
-        tokens=tokens.astype(np.int32),
-        prompt_len=np.int32(PROMPT_LEN),
-        logits_f32=logits_f32,
-        logits_bf16=logits_bf16.astype(np.float32),
-    )
 
     stats = {
         "name": name,
@@ -656,16 +663,7 @@ def make_fp8_fixture(name: str, out_root: Path) -> dict:
     assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
     if spec["tie_word_embeddings"]:
         model.tie_weights()
-    prompt = np.random.default_rng(spec["seed"] + 7).integers(0, spec["vocab_size"], PROMPT_LEN)
-    logits_f32, tokens = run_protocol(model, prompt, DECODE_LEN)
-    logits_bf16, _ = run_protocol(to_bf16(model), prompt, DECODE_LEN, feed=tokens)
-    np.savez_compressed(
-        folder / "golden.npz",
-        tokens=tokens.astype(np.int32),
-        prompt_len=np.int32(PROMPT_LEN),
-        logits_f32=logits_f32,
-        logits_bf16=logits_bf16.astype(np.float32),
-    )
+    logits_f32, _ = write_golden(model, spec, folder)
     src_golden = np.load(out_root / src / "golden.npz")["logits_f32"]
     return {
         "name": name,

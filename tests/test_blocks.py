@@ -22,37 +22,17 @@ import types
 from pathlib import Path
 
 import pytest
+from block_managers import speculative_manager
 
 from metrale_jax.engine.blocks import BlockManager
-from metrale_jax.engine.capacity import DEFAULT_K_LADDER, UNSET_PREFILL_TOKENS, pool_counts
 from metrale_jax.engine.sequences import EngineError
-from metrale_jax.engine.settings import EngineSettings
 
 MAX_SEQ_LEN, BLOCK = 64, 16
 
 
 def _manager(prefix_caching: bool = True, slots: int = 2) -> BlockManager:
     """A speculative serve's manager (an MTP drafter: drafter blocks too) of `slots` slots."""
-    s = EngineSettings(
-        max_batch_size=slots,
-        max_seq_len=MAX_SEQ_LEN,
-        block_size=BLOCK,
-        speculative=True,
-        num_drafts=3,
-        mtp_max_seqs=slots,
-        k_ladder=DEFAULT_K_LADDER,
-        kv_cache_dtype="f32",
-        ssm_h_dtype="f32",
-        ssm_rollback_mode="snapshot",
-        max_prefill_tokens=UNSET_PREFILL_TOKENS,
-        enable_prefix_caching=prefix_caching,
-        ssm_cache_slots=2,
-        ssm_decode_ring_slots=0,
-        gpu_memory_utilization=0.9,
-    )
-    counts = pool_counts(s, types.SimpleNamespace(num_linear_layers=1, num_mtp_layers=1))
-    assert counts.drafter
-    return BlockManager(counts, MAX_SEQ_LEN, prefix_caching)
+    return speculative_manager(slots, MAX_SEQ_LEN, BLOCK, prefix_caching)
 
 
 def _state(m: BlockManager, *seqs) -> tuple:
@@ -84,6 +64,7 @@ def test_the_block_manager_runs_without_jax():
     me = test_the_block_manager_runs_without_jax.__name__
     probe = f"""
 import json, runpy, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
 tests = runpy.run_path({str(Path(__file__))!r})
 ran = [f() or name for name, f in tests.items() if name.startswith("test_") and name != {me!r}]
 print(json.dumps([ran, sorted({{m.split(".")[0] for m in sys.modules}} & {{"jax", "jaxlib", "numpy", "flax"}})]))

@@ -17,11 +17,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import FIXTURES, settings
+from hf_golden import assert_bfloat16_tracks_hf, assert_float32_parity, golden, replayed_logits
 
 from metrale_jax.checkpoint import CheckpointError, load_checkpoint, read_header, write_safetensors
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
-from metrale_jax.model.cache import prefill_and_decode
 from metrale_jax.model.fp8_linear import Fp8BlockWeight
 from metrale_jax.quantization import Quantization, scale_shape, tensor_bytes
 
@@ -34,28 +34,18 @@ def _dir(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fp8_logits_match_hf_on_the_dequantised_weights(name):
-    d = _dir(name)
-    g = np.load(os.path.join(d, "golden.npz"))
-    p, toks = int(g["prompt_len"]), g["tokens"]
-    cfg, params = load_checkpoint(d, np.float32)
+    g = golden(name)
+    _, params, logits = replayed_logits(g, np.float32)
     leaves = [x for x in _walk(params) if isinstance(x, Fp8BlockWeight)]
     assert leaves and all(w.q.dtype == ml_dtypes.float8_e4m3fn for w in leaves)
-    lg, _ = prefill_and_decode(params, cfg, toks[:p], len(toks) - p, feed=toks[p:])
-    ref = g["logits_f32"]
-    err = np.abs(np.asarray(lg) - ref).max(axis=1)
-    assert err.max() <= 1e-4 * np.abs(ref).max(), (err.argmax(), err.max())
+    assert_float32_parity(g, logits)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fp8_in_bfloat16_tracks_hfs_bfloat16_run(name):
     """Served in bf16 (the releases' dtype): HF's bf16 parity statistics (test_hf_parity)."""
-    d = _dir(name)
-    g = np.load(os.path.join(d, "golden.npz"))
-    p, toks = int(g["prompt_len"]), g["tokens"]
-    cfg, params = load_checkpoint(d, ml_dtypes.bfloat16)
-    lg = np.asarray(prefill_and_decode(params, cfg, toks[:p], len(toks) - p, feed=toks[p:])[0], np.float32)
-    assert np.median(np.abs(lg - g["logits_bf16"])) <= 0.06
-    assert np.mean(lg.argmax(1) == g["logits_bf16"].argmax(1)) >= 0.89
+    g = golden(name)
+    assert_bfloat16_tracks_hf(g, replayed_logits(g, ml_dtypes.bfloat16)[2])
 
 
 def _walk(tree):

@@ -18,43 +18,23 @@ machine to find it within its deadline.
 from __future__ import annotations
 
 import time
-import types
 
 import pytest
+from block_managers import speculative_manager
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from metrale_jax.engine import prefix_cache
 from metrale_jax.engine.blocks import BlockManager
-from metrale_jax.engine.capacity import DEFAULT_K_LADDER, UNSET_PREFILL_TOKENS, pool_counts
 from metrale_jax.engine.sequences import EngineError
-from metrale_jax.engine.settings import EngineSettings
 
 MAX_SEQ_LEN, BLOCK, SLOTS, DRAFTS = 64, 16, 3, 3
 STEMS = [[100 + 7 * i + j for j in range(48)] for i in range(2)]
 
 
 def manager() -> BlockManager:
-    s = EngineSettings(
-        max_batch_size=SLOTS,
-        max_seq_len=MAX_SEQ_LEN,
-        block_size=BLOCK,
-        speculative=True,
-        num_drafts=DRAFTS,
-        mtp_max_seqs=SLOTS,
-        k_ladder=DEFAULT_K_LADDER,
-        kv_cache_dtype="f32",
-        ssm_h_dtype="f32",
-        ssm_rollback_mode="snapshot",
-        max_prefill_tokens=UNSET_PREFILL_TOKENS,
-        enable_prefix_caching=True,
-        ssm_cache_slots=2,
-        ssm_decode_ring_slots=0,
-        gpu_memory_utilization=0.9,
-    )
-    counts = pool_counts(s, types.SimpleNamespace(num_linear_layers=1, num_mtp_layers=1))
-    return BlockManager(counts, MAX_SEQ_LEN, True)
+    return speculative_manager(SLOTS, MAX_SEQ_LEN, BLOCK, True, DRAFTS)
 
 
 class Pool:
@@ -231,13 +211,13 @@ def _acquire_keeps_lru(self, blocks):
         self._refs[b] += 1
 
 
+_release = prefix_cache.BlockCache.release
+
+
 def _release_leaves_lru(self, blocks):
-    own = []
-    for b in blocks:
-        if b not in self._key:
-            own.append(b)
-            continue
-        self._refs[b] -= 1
+    own = _release(self, blocks)
+    for b in blocks:  # held until now, so in the LRU only if this release put it there
+        self._lru.pop(b, None)
     return own
 
 

@@ -72,14 +72,7 @@ def table(r: dict) -> Table:
             (
                 c["model"],
                 drafter,
-                str(c["n"]),
-                str(c["new_tokens"]),
-                str(c["drafts"]),
-                c["mode"],
-                median_range(c["greedy_tok_s"], 1, ".0f"),
-                median_range(c["spec_tok_s"], 1, ".0f"),
-                f"{c['ratio']['median']:.2f}x",
-                quartiles(c["ratio"]),
+                *_speed_cells(c),
                 f"{c['tokens_per_verify_per_seq']:.2f}",
                 str(c["verify_steps"]),
                 "yes" if c["same_tokens"] else "NO",
@@ -142,6 +135,20 @@ def table(r: dict) -> Table:
     )
 
 
+def _speed_cells(c: dict) -> tuple[str, ...]:
+    """A row's shape (n, new tokens, drafts, mode) and speeds: plain and speculative tokens/s, their ratio."""
+    return (
+        str(c["n"]),
+        str(c["new_tokens"]),
+        str(c["drafts"]),
+        c["mode"],
+        median_range(c["greedy_tok_s"], 1, ".0f"),
+        median_range(c["spec_tok_s"], 1, ".0f"),
+        f"{c['ratio']['median']:.2f}x",
+        quartiles(c["ratio"]),
+    )
+
+
 def _sampled_row(c: dict, greedy_rows: list[dict]) -> tuple[str, ...]:
     """One sampled row's cells, with greedy's ratio at the same (n, drafts, mode) where the section ran it."""
     same = [
@@ -152,14 +159,7 @@ def _sampled_row(c: dict, greedy_rows: list[dict]) -> tuple[str, ...]:
     return (
         c["model"],
         c["sampling"],
-        str(c["n"]),
-        str(c["new_tokens"]),
-        str(c["drafts"]),
-        c["mode"],
-        median_range(c["greedy_tok_s"], 1, ".0f"),
-        median_range(c["spec_tok_s"], 1, ".0f"),
-        f"{c['ratio']['median']:.2f}x",
-        quartiles(c["ratio"]),
+        *_speed_cells(c),
         f"{same[0]['ratio']['median']:.2f}x" if same else "-",
         f"{c['tokens_per_verify_per_seq']:.2f}",
         " ".join(f"{a:.2f}" for a in c["acceptance_by_position"]),
