@@ -27,13 +27,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# The full suite after the style gate. PYTEST_ARGS adds pytest flags (CI: --durations=20).
+# The full suite after the style gate: each test module in a process of its own, two at a time
+# (scripts/run_tests.py says why), then the 20 slowest tests. PYTEST_ARGS goes to every pytest.
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS) tests
+	$(PY) scripts/run_tests.py $(PYTEST_ARGS)
 
 # The inner loop: every layer's cheap tests, without the ones tests/tiers.py marks `slow`.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) scripts/run_tests.py -m "not slow" $(PYTEST_ARGS)
 
 # The diff's mutation score alone: every shared-code state bug planted one at a time must FAIL the
 # oracle variant where it first shows (part of `make test` too).

@@ -5,8 +5,7 @@ Run it through ``scripts/make_release_standin.sh`` (the HF fixture venv: Python 
 transformers 5.x); it never touches the network.
 
 The folder (default ``~/.cache/metrale-jax/standins/qwen3.5-0.8b``, outside the repository: about
-1.7 GB) holds what a user's download holds, minus the tokenizer files (the tokenizer is another
-script's business):
+1.7 GB) holds what a user's download holds:
 
 * ``config.json``            the multimodal wrapper (``Qwen3_5ForConditionalGeneration``) at the real
                              text and vision config (``REAL_TEXT`` / ``REAL_VISION``, from
@@ -14,7 +13,11 @@ script's business):
 * ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``: bf16 shards in the
                              released names (``model.language_model.*``, ``model.visual.*``, ``mtp.*``;
                              no ``lm_head.weight``: tied);
-* ``generation_config.json`` the released EOS ids (end of turn, end of text).
+* ``generation_config.json`` the released EOS ids (end of turn, end of text);
+* ``tokenizer.json`` + ``tokenizer_config.json``: a Qwen2-style byte-level BPE (a small trained
+                             vocabulary padded with unreachable entries) with Qwen's added tokens at
+                             the released ids (``<|endoftext|>`` 248044, ``<|im_end|>`` 248046, ...)
+                             and the fixtures' ChatML template (``scripts/make_tokenizer_fixtures.py``).
 
 Invariants: the weights are transformers' own initialisation of that config (seeded: the same
 folder on every run), drawn in bf16; the ``mtp.*`` tensors (which ``save_pretrained`` never writes)
@@ -40,6 +43,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from make_tokenizer_fixtures import build_bpe, training_corpus, write_tokenizer  # noqa: E402  (this folder)
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
 
@@ -47,6 +51,7 @@ DEFAULT_OUT = Path.home() / ".cache" / "metrale-jax" / "standins" / "qwen3.5-0.8
 SEED = 0
 SHARD_BYTES = 1 << 30  # shards of at most 1 GiB: the 0.8B in bf16 makes two, as a sharded release does
 EOS_END_OF_TURN, EOS_END_OF_TEXT = 248046, 248044
+FIRST_ADDED_ID = EOS_END_OF_TEXT  # `<|endoftext|>` is the first added token
 
 REAL_TEXT: dict[str, Any] = {
     "attention_bias": False,
@@ -202,6 +207,18 @@ def write_shards(tensors: dict[str, torch.Tensor], folder: Path) -> int:
     return total
 
 
+def released_tokenizer():
+    """The stand-in's tokenizer: an 800-entry byte-level BPE over the fixtures' corpus, its added
+    tokens from the released first id, so every special token has the released model's id."""
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    corpus = training_corpus(np.random.default_rng(0), None)
+    tok = build_bpe(corpus, 800, pre_tokenizers.ByteLevel.alphabet(), first_added_id=FIRST_ADDED_ID)
+    assert tok.token_to_id("<|im_end|>") in GENERATION_CONFIG["eos_token_id"]
+    return tok
+
+
 def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -222,6 +239,7 @@ def main(argv=None) -> int:
     del model
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     total = write_shards(tensors, tmp)
+    write_tokenizer(tmp, released_tokenizer())
     write_json(tmp / "generation_config.json", {**GENERATION_CONFIG, "transformers_version": transformers.__version__})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
