@@ -3,9 +3,10 @@
 
 Owns: what `make test` and `make test-fast` run. Why one process per module: XLA CPU maps every
 loaded executable's code separately and a process keeps what it compiled, its allocator's
-high-water mark and its mappings until it ends; over the ~1,000 tests of the suite one process
-met `vm.max_map_count` (65,530) and died in a compile (SIGABRT). A module's process starts with
-nothing a previous module compiled, so each module's cost is bounded by itself.
+high-water mark and its mappings (bounded by `vm.max_map_count`) until it ends; over the ~1,000
+tests of the suite one process died in an XLA compile (SIGABRT, no message) late in the run, in
+tests that pass alone. A module's process starts with nothing a previous module compiled, so each
+module's cost is bounded by itself.
 
 Usage: `python scripts/run_tests.py [--jobs N] [--slowest N] [PYTEST ARGS ...]`; every argument the
 runner does not own goes to each pytest process (`-m "not slow"`, `-k ...`, `-x` per module).
