@@ -324,7 +324,8 @@ class SnapshotCopy(HostInput):
 
 class SwapArrays(struct.PyTreeNode):
     """Everything one sequence owns on device (L_lin GDN, L_full attention, L_mtp MTP layers; the
-    KV at its block table's blocks, null-padded); the drafter's part is None without a drafter."""
+    KV at its block table's blocks, null-padded); the drafter's part is None without a drafter,
+    its pending drafts' laws None unless the serve keeps them (rejection sampling)."""
 
     gdn_h: Array  # [L_lin, nv, dk, dv] live GDN state
     gdn_conv: Array  # [L_lin, C, Kc] live conv window
@@ -333,6 +334,7 @@ class SwapArrays(struct.PyTreeNode):
     stash: Array | None = None  # [Hd]
     draft_k: Array | None = None  # [L_mtp, MBd, DRAFT_KV_BLOCK_SIZE, KV, D]
     draft_v: Array | None = None  # [L_mtp, MBd, DRAFT_KV_BLOCK_SIZE, KV, D]
+    draft_probs: Array | None = None  # [draft_prob_rows, V] its pending drafts' laws (rejection sampling)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -319,7 +319,9 @@ def propose(
     `static.samples` its draw with the target's noise: `sampling.draw` of the drafter's logits
     with `rows` [B] at the drafted token's position, seq_len + 1 + j (the coupled drafter); with
     `static.rejection` too, its draw with its own keys (`sampling.draft_draw`), whose law q goes
-    to `draft_probs[slot, j]` for the verify (the confidence stays the raw log-softmax).
+    to `draft_probs[slot, j]` for the verify, and whose confidence is max log_softmax(logits) (the
+    drafter's top token's, whatever it drew: a confidence stop then cuts independently of the drawn
+    token, which keeps the law; at temperature 0 the same value as the argmax draft's).
     """
     cfg = static.cfg
     last, seq_lens, slots, valid = batch.last, batch.seq_lens, batch.slots, batch.valid
@@ -346,7 +348,11 @@ def propose(
             d = first_argmax(logits)
         lsm = jax.nn.log_softmax(logits, axis=-1)
         drafts.append(d)
-        confs.append(jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0])
+        # NOTE: under rejection the confidence is the drafter's top log-probability, a function of
+        # its logits only: a stop that read the drafted token's own probability would drop drafts
+        # by their identity and bias the emitted law (a dropped draft's position draws from p).
+        conf = jnp.max(lsm, axis=-1) if static.rejection else jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0]
+        confs.append(conf)
         tok = d[:, None]
     assert logits is not None
     pool = pool.replace(draft_k=state.kv_k, draft_v=state.kv_v)
@@ -439,7 +445,8 @@ def speculative_step(
 
 def read_sequence_state(pool: EnginePool, at: inputs.SequenceAddress) -> tuple[inputs.SwapArrays, EnginePool]:
     """Swap-out: everything the sequence at `at` owns (`SwapArrays`: live GDN state and window,
-    its KV blocks, with a drafter its stash row and drafter KV blocks). Donated: pool (returned
+    its KV blocks, with a drafter its stash row and drafter KV blocks, with rejection sampling its
+    pending drafts' laws). Donated: pool (returned
     unchanged)."""
     h, c = _live(pool)
     t = pool.trunk
@@ -453,6 +460,8 @@ def read_sequence_state(pool: EnginePool, at: inputs.SequenceAddress) -> tuple[i
             draft_k=pool.draft_k[:, at.draft_blocks],
             draft_v=pool.draft_v[:, at.draft_blocks],
         )
+    if pool.draft_probs is not None:
+        arrays = arrays.replace(draft_probs=pool.draft_probs[at.slot])
     return arrays, pool
 
 
@@ -475,6 +484,8 @@ def write_sequence_state(pool: EnginePool, arrays: inputs.SwapArrays, at: inputs
             draft_k=pool.draft_k.at[:, at.draft_blocks].set(arrays.draft_k),
             draft_v=pool.draft_v.at[:, at.draft_blocks].set(arrays.draft_v),
         )
+    if pool.draft_probs is not None:
+        pool = pool.replace(draft_probs=pool.draft_probs.at[at.slot].set(arrays.draft_probs))
     return pool
 
 
