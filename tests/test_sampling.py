@@ -372,14 +372,16 @@ def test_rejection_keeps_the_drafter_laws_only_when_asked(rejection_eng, tiny):
     assert plain.speculative_sampling == "gumbel" and sm.SPECULATIVE_MODES == ("gumbel", "rejection")
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_rejection_at_temperature_zero_is_greedy(rejection_eng, fused):
+def test_rejection_at_temperature_zero_is_greedy_and_fused_equals_composed(rejection_eng):
     """Temperature-0 rows of a rejection program (every law a one-hot of the first argmax) emit
-    greedy decoding's tokens, beside a sampled row (an all-greedy run takes the greedy programs)."""
+    greedy decoding's tokens, beside a sampled row (an all-greedy run takes the greedy programs);
+    the fused step emits the composed path's tokens, the sampled row's included (same seeds)."""
     greedy = greedy_generate(rejection_eng, PROMPTS, 16)
     p = [sm.Sampling(), sm.Sampling(temperature=1.0, seed=1), sm.Sampling(top_k=3, seed=4)]
-    r = speculative_generate(rejection_eng, PROMPTS, 16, DraftSchedule(3), fused=fused, sampling=p)
-    assert r.tokens[0] == greedy[0] and r.tokens[2] == greedy[2] and r.tokens[1] != greedy[1]
+    runs = [speculative_generate(rejection_eng, PROMPTS, 16, DraftSchedule(3), fused=f, sampling=p) for f in (0, 1)]
+    for r in runs:
+        assert r.tokens[0] == greedy[0] and r.tokens[2] == greedy[2] and r.tokens[1] != greedy[1]
+    assert runs[0].tokens == runs[1].tokens
 
 
 def test_rejection_refuses_a_draft_source(rejection_eng):
