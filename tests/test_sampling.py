@@ -384,6 +384,25 @@ def test_rejection_at_temperature_zero_is_greedy_and_fused_equals_composed(rejec
     assert runs[0].tokens == runs[1].tokens
 
 
+def test_a_swap_carries_the_pending_drafts_laws(rejection_eng):
+    """A sequence swapped out between its propose and its verify takes its drafter laws along,
+    into whatever slot it is swapped into."""
+    eng = rejection_eng
+    s, blocker = eng.alloc_sequence(), eng.alloc_sequence()
+    eng.prefill(s, PROMPTS[0])
+    eng.propose_batched([s], [5], 3, [sm.Sampling(1.0, seed=3)])
+    laws = np.asarray(eng.pool.draft_probs[s.slot])
+    np.testing.assert_allclose(laws.sum(-1), 1.0, rtol=1e-5)
+    record, held = eng.save_sequence_state(s), s.slot
+    eng.free_sequence(s)
+    taken, back = eng.alloc_sequence(), eng.alloc_sequence()
+    eng.restore_sequence_state(back, record)
+    assert taken.slot == held != back.slot
+    assert np.array_equal(np.asarray(eng.pool.draft_probs[back.slot]), laws)
+    for x in (back, taken, blocker):
+        eng.free_sequence(x)
+
+
 def test_rejection_refuses_a_draft_source(rejection_eng):
     with pytest.raises(EngineError, match="draft source"):
         speculative_generate(
