@@ -162,6 +162,8 @@ def diff(
     if unknown:
         raise UsageError(f"--forwards: unknown {', '.join(unknown)} (choose from {', '.join(known_labels())})")
     raw = pop_serve_raw(ctx, serve)
+    if raw.get("speculative_sampling") == "rejection" and request.sampling is not None:
+        raise UsageError("--speculative-sampling rejection: the sampled diff checks gumbel speculative sampling only")
     cfg, params = resolve_checkpoint(checkpoint, dtype)
     settings = _settings(checkpoint, raw, request)
     pools = serve_pools(cfg, settings, params["embed"].dtype)

@@ -8,8 +8,9 @@ Owns only argument handling, the request's up-front checks and printing; the dec
 
 Invariants:
 - The printed continuation is the same with and without `--speculative`, with the fused or the
-  composed step, greedy or sampled with a `--seed` (gumbel speculative sampling); the sampling
-  flags are `sampling_flags`'.
+  composed step, greedy or sampled with a `--seed` (gumbel speculative sampling, the default
+  `--speculative-sampling`); under `--speculative-sampling rejection` a sampled speculative run
+  follows plain sampling's law, not its tokens. The sampling flags are `sampling_flags`'.
 - Every user error prints `error: ...` lines on stderr and exits 2. A request that cannot fit is
   refused before the engine allocates: a `--max-seq-len` under what the request reaches, or an
   engine pool (the planner's `serve_pools`: its exact buffers) over what the device can still
@@ -157,8 +158,8 @@ def generate(
 ):
     """Continue PROMPT greedily (or sampled: --temperature, --seed) and print the text; with
     --speculative (e.g. --num-drafts 3) the MTP head drafts and each verify checks its drafts
-    (sampled: gumbel speculative sampling, the same tokens as plain sampling with the seed), and
-    the acceptance statistics follow."""
+    (sampled: gumbel speculative sampling, the same tokens as plain sampling with the seed; or
+    --speculative-sampling rejection, plain sampling's law), and the acceptance statistics follow."""
     sampling = parse_sampling(temperature, top_k, top_p, min_p, seed)
     raw = pop_serve_raw(ctx, kwargs)
     if (system is not None or thinking is not None) and not chat:
@@ -242,6 +243,7 @@ def generate(
     how = "" if sampling is None else f", sampled: {sampling.describe()}"
     mode = (
         f"speculative, {step} step, up to {settings.num_drafts} MTP draft(s) per verify{how}"
+        + ("" if sampling is None else f", {settings.speculative_sampling} acceptance")
         if run
         else f"plain {'greedy' if sampling is None else 'sampling'}{how}; add --speculative --num-drafts 3 to see "
         "the drafter"

@@ -78,6 +78,11 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
         "Batch-invariant arithmetic: a token's logits and state are the same bits in any batch, verify or chunk.",
         off="--no-batch-invariant",
     ),
+    ServeFlag(
+        "speculative_sampling",
+        str,
+        "Sampled speculative acceptance: gumbel (plain sampling's tokens) or rejection (min(1, p/q), its law).",
+    ),
 )
 
 

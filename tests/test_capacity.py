@@ -21,7 +21,7 @@ from metrale_jax.engine.capacity import (
     prefill_chunk_tokens,
     verify_slot_drafts,
 )
-from metrale_jax.engine.settings import parse_k_ladder, resolve_settings
+from metrale_jax.engine.settings import SettingsError, parse_k_ladder, resolve_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,3 +207,15 @@ def test_pool_counts_is_hashable_and_pure():
     s = settings(max_batch_size=16, speculative=True, num_drafts=3)
     assert pool_counts(s, Arch()) == pool_counts(s, Arch())
     assert hash(pool_counts(s, Arch())) == hash(pool_counts(s, Arch()))
+
+
+def test_rejection_sampling_keeps_one_drafter_law_per_draft_and_slot_only_with_a_drafter():
+    """`--speculative-sampling rejection` counts k - 1 drafter laws per slot (the pool's
+    `draft_probs`); gumbel, no drafter or no speculation count none."""
+    rej = settings(max_batch_size=4, speculative=True, num_drafts=3, speculative_sampling="rejection")
+    c = pool_counts(rej, Arch())
+    assert (c.draft_prob_rows, c.rejection) == (3, True)
+    assert pool_counts(rej, Arch(num_mtp_layers=0)).draft_prob_rows == 0
+    assert pool_counts(settings(max_batch_size=4, speculative=True, num_drafts=3), Arch()).draft_prob_rows == 0
+    with pytest.raises(SettingsError, match="--speculative-sampling 'metropolis'"):
+        settings(speculative_sampling="metropolis")

@@ -402,3 +402,13 @@ def test_device_lookup_ignores_case_and_punctuation():
     assert find_device("h200-141gb").id == "H200"
     with pytest.raises(PlanError):
         find_device("TPU")
+
+
+def test_rejection_sampling_plans_its_drafter_laws():
+    """`--speculative-sampling rejection` plans the pool's `draft_probs`: slots x (k - 1) x V f32,
+    as `pool_counts` counts them (the JSON's counts) and `allocate_pool` allocates them."""
+    d = json.loads(tiny("--json", "--no-activations", "--", "--speculative-sampling", "rejection").stdout)
+    (laws,) = [p for p in d["pools"] if p["group"] == "mtp drafter laws"]
+    slots, rows = d["counts"]["slots"], d["counts"]["draft_prob_rows"]
+    assert laws["shape"] == [slots, rows, PRESETS["tiny"][0].vocab_size] and rows == d["counts"]["k"] - 1
+    assert laws["bytes"] == slots * rows * PRESETS["tiny"][0].vocab_size * 4

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import settings
+from conftest import resolve_checkpoint, settings
 
 from metrale_jax.diff import render_summary, run_diff
 from metrale_jax.diff.request import DiffRequest
@@ -24,6 +24,7 @@ from metrale_jax.engine import transitions as tr
 from metrale_jax.engine.batching import sampling_batch
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax_cli.generate_cmd import generate
 
@@ -334,3 +335,156 @@ def test_a_verify_reading_the_previous_positions_noise_fails_the_sampled_diff(ti
     seq, at = shape["plain_sampling"]["first_mismatch"]
     assert at <= shape["accepted"][0][seq] + 1, "the first verify's draws already differ"
     assert any("plain sampling emitted other tokens" in r for r in report["reasons"])
+
+
+# ---------------------------------------------------------------- rejection speculative sampling
+
+
+def test_rejection_rows_lay_out_the_verdict_for_the_greedy_rule():
+    """The verify's rows under rejection: accepted drafts, then the emitted token, then -1; greedy
+    acceptance of them (the host's and the fused step's rule) finds the verdict's count."""
+    v = 6
+    p = jnp.asarray(np.random.default_rng(1).dirichlet(np.ones(v), size=(16, 3)), jnp.float32)
+    q = jnp.asarray(np.random.default_rng(2).dirichlet(np.ones(v), size=(16, 2)), jnp.float32)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, v, size=(16, 3)), jnp.int32)
+    lens = jnp.asarray([3, 2, 1, 0] * 4, jnp.int32)
+    seeds, pos = jnp.arange(16, dtype=jnp.int32), jnp.full((16,), 5, jnp.int32)
+    got = np.asarray(sm.rejection_rows(p, q, tokens, lens, seeds, pos))
+    na, x = (np.asarray(a) for a in jax.vmap(sm.rejection_verdict)(p, q, tokens[:, 1:], lens - 1, seeds, pos))
+    for b in range(16):
+        want = [*np.asarray(tokens[b, 1 : 1 + na[b]]).tolist(), x[b]] + [-1] * (2 - na[b])
+        assert got[b].tolist() == want
+    assert np.asarray(tr.greedy_accepts(tokens, jnp.asarray(got), lens)).tolist() == na.tolist()
+    assert 0 < na.sum() and (na[lens > 1] < lens[lens > 1] - 1).any(), "accepts and rejections both"
+
+
+@pytest.fixture(scope="module")
+def rejection_eng(tiny):
+    cfg, params = tiny
+    s = settings(max_batch_size=8, max_seq_len=160, speculative=True, num_drafts=3, speculative_sampling="rejection")
+    return Engine(cfg, params, s)
+
+
+def test_rejection_keeps_the_drafter_laws_only_when_asked(rejection_eng, tiny):
+    assert rejection_eng.counts.draft_prob_rows == 3
+    assert rejection_eng.pool.draft_probs.shape == (9, 3, tiny[0].vocab_size)
+    plain = settings(max_batch_size=8, max_seq_len=160, speculative=True, num_drafts=3)
+    assert plain.speculative_sampling == "gumbel" and sm.SPECULATIVE_MODES == ("gumbel", "rejection")
+
+
+def test_rejection_at_temperature_zero_is_greedy_and_fused_equals_composed(rejection_eng):
+    """Temperature-0 rows of a rejection program (every law a one-hot of the first argmax) emit
+    greedy decoding's tokens, beside a sampled row (an all-greedy run takes the greedy programs);
+    the fused step emits the composed path's tokens, the sampled row's included (same seeds)."""
+    greedy = greedy_generate(rejection_eng, PROMPTS, 16)
+    p = [sm.Sampling(), sm.Sampling(temperature=1.0, seed=1), sm.Sampling(top_k=3, seed=4)]
+    runs = [speculative_generate(rejection_eng, PROMPTS, 16, DraftSchedule(3), fused=f, sampling=p) for f in (0, 1)]
+    for r in runs:
+        assert r.tokens[0] == greedy[0] and r.tokens[2] == greedy[2] and r.tokens[1] != greedy[1]
+    assert runs[0].tokens == runs[1].tokens
+
+
+def test_a_swap_carries_the_pending_drafts_laws(rejection_eng):
+    """A sequence swapped out between its propose and its verify takes its drafter laws along,
+    into whatever slot it is swapped into."""
+    eng = rejection_eng
+    s, blocker = eng.alloc_sequence(), eng.alloc_sequence()
+    eng.prefill(s, PROMPTS[0])
+    eng.propose_batched([s], [5], 3, [sm.Sampling(1.0, seed=3)])
+    laws = np.asarray(eng.pool.draft_probs[s.slot])
+    np.testing.assert_allclose(laws.sum(-1), 1.0, rtol=1e-5)
+    record, held = eng.save_sequence_state(s), s.slot
+    eng.free_sequence(s)
+    taken, back = eng.alloc_sequence(), eng.alloc_sequence()
+    eng.restore_sequence_state(back, record)
+    assert taken.slot == held != back.slot
+    assert np.array_equal(np.asarray(eng.pool.draft_probs[back.slot]), laws)
+    for x in (back, taken, blocker):
+        eng.free_sequence(x)
+
+
+def test_rejection_refuses_a_draft_source(rejection_eng):
+    with pytest.raises(EngineError, match="draft source"):
+        speculative_generate(
+            rejection_eng, PROMPTS[:1], 4, DraftSchedule(2), lambda i, t, n: [0] * n, sampling=sm.Sampling(1.0)
+        )
+
+
+LAW_SEEDS, LAW_WIDTH = 20480, 128
+LAW = sm.Sampling(temperature=1.0, top_k=6)
+#: Cuts a fair share of first drafts: the stop must keep the law (it reads the drafter's top probability).
+LAW_SCHEDULE = DraftSchedule(2, confidence_stop=-0.6)
+
+
+@pytest.fixture(scope="module")
+def law_eng():
+    """`small` (a trained drafter: drafts are accepted and rejected), 128 slots that all verify 2 drafts."""
+    cfg, params = resolve_checkpoint("small")
+    s = settings(
+        max_batch_size=LAW_WIDTH,
+        max_seq_len=64,
+        speculative=True,
+        num_drafts=2,
+        mtp_max_seqs=LAW_WIDTH,
+        mtp_k_ladder=f"{LAW_WIDTH}:2",
+        speculative_sampling="rejection",
+    )
+    return Engine(cfg, params, s)
+
+
+def _two_sample_chi_square(a: np.ndarray, b: np.ndarray) -> tuple[float, int, float]:
+    """Pearson's chi-square of a 2 x cells contingency table (cells with fewer than 10 counts in
+    both samples together pooled into one): (statistic, degrees of freedom, p-value)."""
+    keep = a + b >= 10
+    a = np.append(a[keep], a[~keep].sum())
+    b = np.append(b[keep], b[~keep].sum())
+    a, b = (a, b) if b[-1] + a[-1] else (a[:-1], b[:-1])
+    table = np.stack([a, b]).astype(np.float64)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = table.shape[1] - 1
+    return stat, dof, float(jax.scipy.special.gammaincc(dof / 2, stat / 2))
+
+
+def test_rejection_emits_plain_samplings_law(law_eng):
+    """The law of the first two tokens after a fixed prompt, over 20,480 seeds: token 1 is the
+    prefill's draw (the same in both modes); token 2 is, under rejection, the engine's propose
+    (2 drafts drawn with the drafter's keys, their laws in the pool), the confidence stop's cut
+    and the verify (rejection rows), against plain sampling's draw at that position from the
+    same logits. 128 sequences share the prompt's state: each batch of seeds proposes, verifies
+    and rolls the verify back."""
+    eng, v = law_eng, law_eng.cfg.vocab_size
+    prompt = [int(x) for x in b"def f(x):\n    return "]
+    seqs = [eng.alloc_sequence() for _ in range(LAW_WIDTH)]
+    logits = [eng.prefill(s, prompt) for s in seqs][0]
+    pos = len(prompt)
+    spec, plain = np.zeros((v, v), np.int64), np.zeros((v, v), np.int64)
+    accepted = cut = 0
+    for start in range(0, LAW_SEEDS, LAW_WIDTH):
+        each = [sm.Sampling(LAW.temperature, LAW.top_k, seed=start + i) for i in range(LAW_WIDTH)]
+        rows = _rows(each)
+        first = np.asarray(_draw(jnp.tile(jnp.asarray(logits)[None], (LAW_WIDTH, 1)), rows, jnp.full(LAW_WIDTH, pos)))
+        proposed, confidences, _ = eng.propose_batched(seqs, first.tolist(), 2, each)
+        drafts = [LAW_SCHEDULE.cut(d, c, 2)[0] for d, c in zip(proposed, confidences)]
+        ks = [len(d) + 1 for d in drafts]
+        verify_logits, out = eng.verify_batched(
+            seqs, [t for f, d in zip(first, drafts) for t in (int(f), *d)], ks, each
+        )
+        eng.rollback_verify(seqs)
+        for s in seqs:
+            eng.trim_proposer(s)
+        row0 = np.cumsum([0, *ks])[:-1]
+        second = out[row0]
+        accepted += sum(bool(d) and int(x) == d[0] for d, x in zip(drafts, second))
+        cut += ks.count(1)
+        drawn = np.asarray(_draw(jnp.asarray(verify_logits[row0]), rows, jnp.full(LAW_WIDTH, pos + 1)))
+        np.add.at(spec, (first, second), 1)
+        np.add.at(plain, (first, drawn), 1)
+    stat, dof, pval = _two_sample_chi_square(spec.ravel(), plain.ravel())
+    print(f"rejection vs plain, first two tokens: chi2 {stat:.2f}, dof {dof}, p {pval:.4f}, {LAW_SEEDS} seeds;")
+    print(f"first draft accepted {accepted / LAW_SEEDS:.3f}, cut by the confidence stop {cut / LAW_SEEDS:.3f}")
+    assert pval > 1e-3, (stat, dof, pval)
+    assert 0.05 < accepted / LAW_SEEDS < 0.95, "both the accept and the residual path must be exercised"
+    assert 0.05 < cut / LAW_SEEDS < 0.95, "the confidence stop must cut some first drafts and keep others"
+    for s in reversed(seqs):
+        eng.free_sequence(s)

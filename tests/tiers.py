@@ -131,7 +131,7 @@ RULES: tuple[Rule, ...] = (
             "test_generate_samples_by_seed_and_speculative_prints_the_same_text",
             "test_a_verify_reading_the_previous_positions_noise_fails_the_sampled_diff",
         ),
-        uses=("eng",),
+        uses=("eng", "rejection_eng", "law_eng"),
     ),
     Rule("test_sharding_lowering.py", SLOW),
     Rule(

@@ -82,6 +82,8 @@ class PoolSettings(Protocol):
     def ssm_cache_slots(self) -> int: ...
     @property
     def ssm_decode_ring_slots(self) -> int: ...
+    @property
+    def speculative_sampling(self) -> str: ...
 
 
 def ladder_drafts(n_active: int, num_drafts: int, ladder: KLadder) -> int:
@@ -198,6 +200,9 @@ class PoolCounts:
       `p = kv_tokens // 16 + 1` blocks per sequence, `min(p × mtp_max_seqs, p × real_slots) + 1`
       (at most `mtp_max_seqs` sequences draft; +1 null block, as in the main pool); 0 without
       speculation or MTP layers.
+    - `draft_prob_rows`: per sequence slot (the dummy included), the drafter laws rejection
+      sampling keeps from a propose to its verify (`k - 1`, one per draft, each a row of the
+      vocabulary) under `--speculative-sampling rejection` with an MTP drafter, else 0.
     - `prefill_chunk`: tokens one prefill forward may take; `max_batch_tokens`: the widest
       forward (`max(prefill_chunk + real_slots, k + 1 if speculative else 1, real_slots)`).
     """
@@ -224,6 +229,12 @@ class PoolCounts:
     draft_kv_blocks: int
     prefill_chunk: int
     max_batch_tokens: int
+    draft_prob_rows: int = 0
+
+    @property
+    def rejection(self) -> bool:
+        """Sampled speculative steps accept by rejection sampling (their drafter laws are kept)."""
+        return self.draft_prob_rows > 0
 
     @property
     def verify_slots(self) -> int:
@@ -339,4 +350,5 @@ def pool_counts(settings: PoolSettings, config: ModelCounts, *, tokens_per_seq: 
         draft_kv_blocks=draft_kv_blocks,
         prefill_chunk=chunk,
         max_batch_tokens=max(chunk + real, k + 1 if spec else 1, real),
+        draft_prob_rows=k - 1 if drafter and s.speculative_sampling == "rejection" else 0,
     )

@@ -22,8 +22,9 @@ Invariants:
   program and one device-to-host transfer; it leaves no verify awaiting a verdict.
 - Every device-to-host transfer goes through `_fetch`.
 - Token selection: a call given `sampling` (one `engine.sampling.Sampling` per sequence) runs the
-  sampling twin of its program (`samples` static flag) and its tokens are draws; without it, the
-  greedy program of today.
+  sampling twin of its program (`inputs.sampled`: the `samples` static flag, and `rejection` for
+  verifies and proposes under `--speculative-sampling rejection`) and its tokens are draws;
+  without it, the greedy program of today.
 - Every program input is built by `engine.batching` from its `engine.inputs` constructor; every
   count and width comes from `capacity`.
 - Prefix caching (`--enable-prefix-caching`, sequences allocated with a namespace): a fresh
@@ -52,7 +53,7 @@ from metrale_jax.engine import batching
 from metrale_jax.engine import transitions as tr
 from metrale_jax.engine.blocks import BlockManager
 from metrale_jax.engine.capacity import pool_counts
-from metrale_jax.engine.inputs import PrefillStatic, ProposeStatic, SpeculativeStatic, StepStatic, SwapRecord
+from metrale_jax.engine.inputs import PrefillStatic, ProposeStatic, SpeculativeStatic, StepStatic, SwapRecord, sampled
 from metrale_jax.engine.placement import place_params, reshard
 from metrale_jax.engine.prefix_cache import Hit
 from metrale_jax.engine.program_list import Program, Sections, serve_programs, warm_up
@@ -229,7 +230,8 @@ class Engine(VerdictProtocol):
             self.blocks.reserve([seq], [seq.seq_len + len(tokens) + 1])
         if fresh:
             seq.restored_at = hit.snapshot.position if hit is not None else 0
-        static = PrefillStatic(self.cfg, self.counts, self.ops, drafter=self.drafter, samples=sampling is not None)
+        static = PrefillStatic(self.cfg, self.counts, self.ops, drafter=self.drafter)
+        static = static if sampling is None else sampled(static)
         rows = () if sampling is None else (batching.sampling_batch(self.counts, [sampling], 1),)
         bounds = batching.prefill_bounds(self.counts.block_size, seq.seq_len, len(tokens), chunk, cached, branch)
         for off, end in bounds:
@@ -279,9 +281,8 @@ class Engine(VerdictProtocol):
         lengths, which then grow by the rows); returns (logits [R, V], tokens [R]) numpy: each
         row's argmax, or with `sampling` (per sequence) its draw."""
         batch, r = batching.step_batch(self.counts, seqs, tokens_per_seq, verify, starts)
-        static = StepStatic(
-            self.cfg, self.counts, self.ops, verify=verify, drafter=self.drafter, samples=sampling is not None
-        )
+        static = StepStatic(self.cfg, self.counts, self.ops, verify=verify, drafter=self.drafter)
+        static = static if sampling is None else sampled(static)
         logits, argmax, hidden, self.pool = self.programs.run(
             "step_rows", tr.step_rows, static, self.pool, self.params, batch, *self._sampling_rows(seqs, sampling)
         )
@@ -410,8 +411,8 @@ class Engine(VerdictProtocol):
             drafter=self.drafter,
             num_drafts=num_drafts,
             logits=logits,
-            samples=sampling is not None,
         )
+        static = static if sampling is None else sampled(static)
         rows_in = self._sampling_rows(seqs, sampling)
         packed, extras, self.pool = self.programs.run(
             "speculative_step", tr.speculative_step, static, self.pool, self.params, batch, *rows_in
@@ -453,7 +454,8 @@ class Engine(VerdictProtocol):
         self.blocks.reserve(seqs, [s.seq_len + num_drafts + 1 for s in seqs])
         n = len(seqs)
         x = batching.propose_batch(self.counts, seqs, last)
-        static = ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=num_drafts, samples=sampling is not None)
+        static = ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=num_drafts)
+        static = static if sampling is None else sampled(static)
         drafts, conf, logits, self.pool = self.programs.run(
             "propose", tr.propose, static, self.pool, self.params, x, *self._sampling_rows(seqs, sampling)
         )

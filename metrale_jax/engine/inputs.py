@@ -90,20 +90,25 @@ class StepStatic(ModelStatic):
     """`transitions.step_rows`' static part; verify: a batched verify (T = K, write-on-accept)
     rather than a decode (T = 1); drafter: also write the MTP drafter's KV (and, decoding, the stash);
     samples: each row's token is its draw (`engine.sampling.draw`, a `SamplingRows` argument)
-    rather than its argmax."""
+    rather than its argmax; rejection (a sampled verify): the rows' tokens are rejection
+    sampling's verdict (`engine.sampling.rejection_rows`) against the pool's drafter laws."""
 
     verify: bool
     drafter: bool
     samples: bool = False
+    rejection: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class ProposeStatic(ModelStatic):
     """`transitions.propose`'s static part: the number of chained drafts; samples: each draft is
-    the drafter's draw with the target's noise at its position (a `SamplingRows` argument)."""
+    the drafter's draw with the target's noise at its position (a `SamplingRows` argument);
+    rejection (sampled): each draft is drawn with the drafter's own keys and its law kept in the
+    pool (`engine.sampling.draft_draw`)."""
 
     num_drafts: int
     samples: bool = False
+    rejection: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +116,14 @@ class SpeculativeStatic(ModelStatic):
     """`transitions.speculative_step`'s static part: drafter (stash the accepted rows' hiddens and
     write the drafter's KV, as `StepStatic.drafter`), num_drafts (the chained drafts of the step's
     propose; 0: no propose), logits (also return the verify's and the propose's logits) and
-    samples (verify and propose draw, as `StepStatic.samples` and `ProposeStatic.samples`)."""
+    samples (verify and propose draw, as `StepStatic.samples` and `ProposeStatic.samples`) and
+    rejection (sampled: rejection sampling, as `StepStatic.rejection` and `ProposeStatic.rejection`)."""
 
     drafter: bool
     num_drafts: int
     logits: bool = False
     samples: bool = False
+    rejection: bool = False
 
     def __post_init__(self):
         if self.num_drafts and not self.drafter:
@@ -125,12 +132,32 @@ class SpeculativeStatic(ModelStatic):
     @property
     def step(self) -> StepStatic:
         """The verify's static part (write-on-accept)."""
-        return StepStatic(self.cfg, self.counts, self.ops, verify=True, drafter=self.drafter, samples=self.samples)
+        return StepStatic(
+            self.cfg,
+            self.counts,
+            self.ops,
+            verify=True,
+            drafter=self.drafter,
+            samples=self.samples,
+            rejection=self.rejection,
+        )
 
     @property
     def propose(self) -> ProposeStatic:
         """The propose's static part."""
-        return ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=self.num_drafts, samples=self.samples)
+        return ProposeStatic(
+            self.cfg, self.counts, self.ops, num_drafts=self.num_drafts, samples=self.samples, rejection=self.rejection
+        )
+
+
+def sampled[S: (PrefillStatic, StepStatic, ProposeStatic, SpeculativeStatic)](static: S) -> S:
+    """The sampling twin of a program's static part: `samples` set, and `rejection` where the
+    serve accepts by rejection sampling (`PoolCounts.rejection`) and the program verifies or
+    proposes (a prefill or a decode draws as plain sampling does). The one rule the engine and
+    the program list both apply."""
+    if isinstance(static, PrefillStatic) or (isinstance(static, StepStatic) and not static.verify):
+        return dataclasses.replace(static, samples=True)
+    return dataclasses.replace(static, samples=True, rejection=static.counts.rejection)
 
 
 # ---------------------------------------------------------------- the model's programs
@@ -297,7 +324,8 @@ class SnapshotCopy(HostInput):
 
 class SwapArrays(struct.PyTreeNode):
     """Everything one sequence owns on device (L_lin GDN, L_full attention, L_mtp MTP layers; the
-    KV at its block table's blocks, null-padded); the drafter's part is None without a drafter."""
+    KV at its block table's blocks, null-padded); the drafter's part is None without a drafter,
+    its pending drafts' laws None unless the serve keeps them (rejection sampling)."""
 
     gdn_h: Array  # [L_lin, nv, dk, dv] live GDN state
     gdn_conv: Array  # [L_lin, C, Kc] live conv window
@@ -306,6 +334,7 @@ class SwapArrays(struct.PyTreeNode):
     stash: Array | None = None  # [Hd]
     draft_k: Array | None = None  # [L_mtp, MBd, DRAFT_KV_BLOCK_SIZE, KV, D]
     draft_v: Array | None = None  # [L_mtp, MBd, DRAFT_KV_BLOCK_SIZE, KV, D]
+    draft_probs: Array | None = None  # [draft_prob_rows, V] its pending drafts' laws (rejection sampling)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,9 @@ Layout (L_lin GDN layers, L_full attention layers, L_mtp MTP layers; units from 
 - snap_stash       [snapshot_slots, Hd]  with a drafter: the snapshot's stash row
 - snap_draft_k/v   [L_mtp, snapshot_slots, 16, KV, D]  with a drafter: the snapshot's partial
                    drafter block (its full blocks are shared through the prefix cache)
+- draft_probs      [slots, draft_prob_rows, V]  f32, only under `--speculative-sampling rejection`
+                   with a drafter: per slot, the law q each pending draft was drawn from (written
+                   by a sampled propose, read by the next sampled verify's rejection rule)
 Slot `slots - 1` is the padding dummy nothing real ever uses.
 """
 
@@ -52,6 +55,7 @@ class EnginePool(struct.PyTreeNode):
     snap_stash: jax.Array | None = None
     snap_draft_k: jax.Array | None = None
     snap_draft_v: jax.Array | None = None
+    draft_probs: jax.Array | None = None
 
 
 # Human names of the pools, in report order (the memory planner's rows).
@@ -72,6 +76,7 @@ POOL_LABELS = {
     "snap_stash": "prefix-cache snapshot stash",
     "snap_draft_k": "prefix-cache snapshot drafter block K",
     "snap_draft_v": "prefix-cache snapshot drafter block V",
+    "draft_probs": "drafter laws of pending drafts (rejection sampling)",
 }
 
 
@@ -116,6 +121,9 @@ def allocate_pool(cfg: ModelConfig, counts: PoolCounts, settings: EngineSettings
         snap_stash=zeros((dsn, cfg.hidden_size), dtype) if dsn else None,
         snap_draft_k=zeros((nm, dsn, *draft_unit), kvdt) if dsn else None,
         snap_draft_v=zeros((nm, dsn, *draft_unit), kvdt) if dsn else None,
+        draft_probs=zeros((counts.slots, counts.draft_prob_rows, cfg.vocab_size), jnp.float32)
+        if counts.draft_prob_rows
+        else None,
     )
 
 

@@ -59,6 +59,7 @@ from metrale_jax.engine.inputs import (
     StepStatic,
     VerdictBatch,
     abstract,
+    sampled,
 )
 from metrale_jax.engine.programs import ProgramCache
 from metrale_jax.engine.sampling import SamplingRows
@@ -132,7 +133,7 @@ def serve_programs(
     def add(name, transition, fn, static, width, shape, *inputs: Callable[[], Any], model=True, **flags):
         head = (pool, params) if model else (pool,)
         if model and samples:
-            static = dataclasses.replace(static, samples=True)
+            static = sampled(static)
             inputs = (*inputs, _padded(SamplingRows.padded, counts, 1 if name == "prefill" else width))
         build = functools.partial(_arguments, head, inputs)
         out.append(Program(name, transition, fn, static, width, shape, build, **flags))

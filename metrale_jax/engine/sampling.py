@@ -3,7 +3,8 @@
 Owns: a request's sampling parameters (`Sampling`, host, validated), their traced form in a
 program (`SamplingRows`, a `HostInput` of [B] int32 leaves, floats as their bits), the draw keys
 (`draw_key`), the allowed set (`allowed`), the draw itself (`draw`: the token at a position), the
-processed distribution (`probabilities`) and rejection sampling's acceptance (`rejection_verdict`).
+processed distribution (`probabilities`), rejection sampling's acceptance (`rejection_verdict`),
+its drafter's draw (`draft_draw`) and a verify's rows under it (`rejection_rows`).
 
 Invariants:
 - Every function is per row: no value of one row reads another row, so a sequence's draws do not
@@ -20,6 +21,11 @@ Invariants:
   same (seed, position) is coupled to the target (drafter-invariant speculative decoding, Daliri,
   Musco and Suresh 2024): accepting drafts while they equal the target's draw emits exactly the
   tokens plain sampling emits.
+- Rejection sampling (`--speculative-sampling rejection`) draws each draft from the drafter's law
+  q with the drafter's own keys (`TAG_DRAFT`), and the verify accepts, resamples and adds the
+  bonus with keys of their own (`TAG_ACCEPT`, `TAG_RESIDUAL`): the emitted tokens follow the
+  target's law (not plain sampling's tokens). At temperature 0 every law is the one-hot of the
+  first argmax, so the rule emits greedy decoding's tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,12 +41,14 @@ import numpy as np
 from kernels_pallas.reductions import first_argmax, pairwise_sum
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.inputs import Array, HostInput
+from metrale_jax.engine.settings import SPECULATIVE_SAMPLING_MODES
 
 #: The key tags: the coupled draw (target, and the Gumbel drafter), rejection sampling's uniform,
 #: its residual draw and its drafter's own draw.
 TAG_DRAW, TAG_ACCEPT, TAG_RESIDUAL, TAG_DRAFT = 0, 1, 2, 3
 
-SPECULATIVE_MODES = ("gumbel", "rejection")
+#: The speculative acceptance rules (the serve setting `--speculative-sampling`).
+SPECULATIVE_MODES = SPECULATIVE_SAMPLING_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,3 +235,42 @@ def rejection_verdict(
     g = jax.random.gumbel(draw_key(seed, position + na, TAG_RESIDUAL), residual.shape, jnp.float32)
     token = first_argmax(jnp.where(residual > 0, jnp.log(residual) + g, -jnp.inf))
     return na, token
+
+
+def _row_draft(logits, temperature, top_k, top_p, min_p, seed, position):
+    q = _row_probabilities(logits, temperature, top_k, top_p, min_p)
+    g = jax.random.gumbel(draw_key(seed, position, TAG_DRAFT), logits.shape, jnp.float32)
+    return first_argmax(jnp.where(q > 0, jnp.log(q) + g, -jnp.inf)), q
+
+
+def draft_draw(logits: jax.Array, rows: SamplingRows, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling's drafter: each row's draft drawn from its law q (`probabilities` of the
+    drafter's logits [R, V] f32 with `rows` [R]) by the Gumbel-max draw of (seed, the drafted
+    token's position [R], `TAG_DRAFT`), independent of the target's draws. Returns (drafts [R]
+    int32, q [R, V] f32), the law the verify's `rejection_verdict` reads. At temperature 0 the
+    draft is `first_argmax(logits)`."""
+    temperature, top_p, min_p = rows.floats()
+    return jax.vmap(_row_draft)(logits, temperature, rows.top_k, top_p, min_p, rows.seed, positions)
+
+
+def rejection_rows(
+    p: jax.Array, q: jax.Array, tokens: jax.Array, lens: jax.Array, seed: jax.Array, position: jax.Array
+) -> jax.Array:
+    """A batched verify's tokens under rejection sampling, laid out as the greedy rule reads them.
+
+    p [B, T, V] f32: the target's law at each sequence's verify rows (row t: the token at
+    position[b] + t); q [B, T - 1, V]: the laws its drafts were drawn from; tokens [B, T] int32:
+    the rows [last, drafts...], lens [B] of them real; seed [B]. Returns [B, T] int32: with na the
+    accepted drafts and x the token after them (`rejection_verdict`), row t < na holds draft t + 1,
+    row na holds x, later rows -1. So the drafts "equal the row before them" exactly up to na
+    (a rejected draft has p < q, where the residual is 0, so x never equals it): greedy
+    acceptance of these rows (host or device) finds na, and the emitted tokens are rows 0..na.
+    """
+    chex.assert_rank([p, q, tokens], [3, 3, 2])
+    t = tokens.shape[1]
+    chex.assert_shape(q, (tokens.shape[0], t - 1, p.shape[2]))
+    drafts = tokens[:, 1:]
+    na, x = jax.vmap(rejection_verdict)(p, q, jnp.maximum(drafts, 0), lens - 1, seed, position)
+    ahead = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], -1)], axis=1)
+    r = jnp.arange(t, dtype=jnp.int32)[None, :]
+    return jnp.where(r < na[:, None], ahead, jnp.where(r == na[:, None], x[:, None], -1)).astype(jnp.int32)

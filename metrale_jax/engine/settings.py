@@ -42,6 +42,9 @@ from metrale_jax.errors import MetraleError
 KV_CACHE_DTYPES = ("bf16", "fp8", "f32")
 SSM_H_DTYPES = ("f32", "f16-pool")
 SSM_ROLLBACK_MODES = ("snapshot", "replay")
+#: How a sampled speculative verify accepts drafts (`engine.sampling`): gumbel (the drafter coupled to
+#: the target's noise; plain sampling's tokens) or rejection (min(1, p/q), the residual, the bonus).
+SPECULATIVE_SAMPLING_MODES = ("gumbel", "rejection")
 #: Drafts per verify when neither the flag nor MODEL.toml says.
 DEFAULT_NUM_DRAFTS = 1
 #: The MTP dispatch cap when neither the flag nor MODEL.toml says.
@@ -116,6 +119,7 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     batch_invariant: bool = False
+    speculative_sampling: str = "gumbel"
     provenance: tuple[Provenance, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
 
@@ -141,6 +145,7 @@ SERVE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "tensor_parallel_size": 1,
         "expert_parallel_size": 1,
         "batch_invariant": False,
+        "speculative_sampling": "gumbel",
     }
 )
 
@@ -290,6 +295,10 @@ def resolve_settings(raw: Mapping[str, Any], behavior: Behavior | None, *, auto_
     errors += _choice("--ssm-h-dtype", eff["ssm_h_dtype"], rule["ssm_h_dtype"], SSM_H_DTYPES)
     eff["ssm_rollback_mode"] = v["ssm_rollback_mode"]
     errors += _choice("--ssm-rollback-mode", v["ssm_rollback_mode"], rule["ssm_rollback_mode"], SSM_ROLLBACK_MODES)
+    eff["speculative_sampling"] = v["speculative_sampling"]
+    errors += _choice(
+        "--speculative-sampling", v["speculative_sampling"], rule["speculative_sampling"], SPECULATIVE_SAMPLING_MODES
+    )
 
     # auto: off. A decode-rollback ring backs a decode watchdog's rollback, which this engine does not
     # have (every transition is a pure function; a failed step is simply not committed).

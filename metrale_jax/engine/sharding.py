@@ -108,6 +108,7 @@ POOL_LAYOUT: dict[str, tuple[tuple[str | None, ...], bool]] = {
     "snap_stash": ((), False),
     "snap_draft_k": ((TP, None), False),
     "snap_draft_v": ((TP, None), False),
+    "draft_probs": ((), False),  # [slots, rows, V]: replicated (each device's verify reads its sequences' rows)
 }
 
 

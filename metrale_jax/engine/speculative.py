@@ -15,7 +15,9 @@ Invariants:
   sampling: a token is the draw of `engine.sampling` at its position, from the verify's logits
   and noise of (seed, position) alone, and the drafter drafts with the same noise
   (the coupling of `engine.sampling`); a generation whose sequences are all greedy runs the
-  greedy programs.
+  greedy programs. Under `--speculative-sampling rejection` the verify's rows carry rejection
+  sampling's verdict in the same layout (`sampling.rejection_rows`), so both step paths and the
+  draft schedules run unchanged: the tokens follow the target's law, not plain sampling's tokens.
 - The state is all the loop carries from one step to the next: a step reads it and the engine
   and updates both. What one request asks for (today its token budget) is its `SequenceParams`.
 - A draft count is `draft_limit`'s: the schedule at the active width, capped by the slot's
@@ -37,7 +39,7 @@ import numpy as np
 from metrale_jax.engine.capacity import KLadder, ladder_drafts
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sampling import Sampling
-from metrale_jax.engine.sequences import SequenceState
+from metrale_jax.engine.sequences import EngineError, SequenceState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +366,9 @@ def speculative_generate(
     stop_ids: frozenset[int] = frozenset(),
 ) -> GenerationResult:
     """Greedy generation verified in batches; with `sampling` (as `greedy_generate`'s) gumbel
-    speculative sampling, which emits exactly the tokens of plain sampling with the same seeds.
+    speculative sampling, which emits exactly the tokens of plain sampling with the same seeds, or
+    under `--speculative-sampling rejection` rejection sampling, whose tokens follow the same law
+    (MTP drafts only: a `draft_source` is refused, EngineError).
 
     Drafts come from the engine's MTP drafter (a batched propose after the prefill, then after
     every verdict), or from `draft_source(prompt_index, committed_tokens, n)` when given (e.g. an
@@ -376,10 +380,13 @@ def speculative_generate(
     one by one. `progress` as `OnStep` says. A sequence ends after its first id in `stop_ids`
     (drafts accepted past it are dropped).
     """
+    params = _sequence_params(max_new_tokens, len(prompts), sampling, stop_ids)
+    if draft_source is not None and engine.counts.rejection and sampling_of(params) is not None:
+        raise EngineError("rejection sampling verifies the MTP drafter's drafts (their laws), not a draft source's")
     scheduler = Scheduler(engine, schedule, draft_source, fused and not engine.replay)
     seqs = [engine.alloc_sequence() for _ in prompts]
     try:
-        state = _prefilled(engine, seqs, prompts, _sequence_params(max_new_tokens, len(prompts), sampling, stop_ids))
+        state = _prefilled(engine, seqs, prompts, params)
         if progress is not None:
             progress(state.emitted())
         scheduler.next_drafts(state, None)

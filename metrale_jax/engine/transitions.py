@@ -16,8 +16,10 @@ position -1.
 
 Token selection: every token a transition picks (prefill's last row, a decode or verify row, a
 draft) is its first argmax, or with the static `samples` flag its draw (`_draw`, `engine.sampling`)
-at the drawn token's absolute position. With the flag off a program is exactly
-the greedy program (no sampling argument, no sampling op).
+at the drawn token's absolute position; with the static `rejection` flag too, a verify's rows
+and a propose's drafts follow rejection sampling (`_rejection_rows`, `sampling.draft_draw`; the
+drafter's laws kept in the pool's `draft_probs` from the propose to the verify). With the flags
+off a program is exactly the greedy (or gumbel) program (no sampling argument, no sampling op).
 
 Drafter invariant (exact MTP context): every trunk transition also runs the MTP layer over the
 pairs (hidden of the previous trunk row, this row's token) at position p - 1, writing the
@@ -205,9 +207,25 @@ def step_rows(
             pool = pool.replace(stash=pool.stash.at[slots].set(_last_rows(hidden, lens)))
     flat = hidden.reshape(b * t, -1)[row_index]
     logits = head(params, cfg, flat)
+    if static.samples and static.rejection and verify:
+        return logits, _rejection_rows(pool, logits, batch, rows, t), flat, pool
     if static.samples:
         return logits, _draw(logits, rows, row_index // t, positions.reshape(-1)[row_index] + 1), flat, pool
     return logits, first_argmax(logits), flat, pool
+
+
+def _rejection_rows(
+    pool: EnginePool, logits: jax.Array, batch: inputs.StepBatch, rows: sampling.SamplingRows | None, t: int
+) -> jax.Array:
+    """A verify's row tokens under rejection sampling (`sampling.rejection_rows`, flat as the
+    logits [R_b, V]): the target's laws from the logits with `rows` [B], the drafter's laws of
+    the sequences' pending drafts from the pool's `draft_probs` (written by their propose)."""
+    assert rows is not None and pool.draft_probs is not None, "a rejection verify needs its rows and drafter laws"
+    p = sampling.probabilities(logits, sampling.take(rows, batch.row_index // t))
+    q = pool.draft_probs[batch.slots]
+    chex.assert_shape(q, (batch.slots.shape[0], t - 1, logits.shape[-1]))
+    grid = sampling.rejection_rows(_grid(p, batch.lens, t), q, batch.tokens, batch.lens, rows.seed, batch.seq_lens + 1)
+    return grid.reshape(-1)[batch.row_index]
 
 
 def _per_layer_select(live: jax.Array, other: jax.Array, slots: jax.Array, mask: jax.Array, index) -> jax.Array:
@@ -299,7 +317,11 @@ def propose(
     changes. Returns (drafts [B, nd] int32, confidences [B, nd] f32 = log_softmax(logits)[draft],
     logits of the last draft position [B, V] f32, pool). A draft is the drafter's argmax, or with
     `static.samples` its draw with the target's noise: `sampling.draw` of the drafter's logits
-    with `rows` [B] at the drafted token's position, seq_len + 1 + j (the coupled drafter).
+    with `rows` [B] at the drafted token's position, seq_len + 1 + j (the coupled drafter); with
+    `static.rejection` too, its draw with its own keys (`sampling.draft_draw`), whose law q goes
+    to `draft_probs[slot, j]` for the verify, and whose confidence is max log_softmax(logits) (the
+    drafter's top token's, whatever it drew: a confidence stop then cuts independently of the drawn
+    token, which keeps the law; at temperature 0 the same value as the argmax draft's).
     """
     cfg = static.cfg
     last, seq_lens, slots, valid = batch.last, batch.seq_lens, batch.slots, batch.valid
@@ -309,20 +331,34 @@ def propose(
     hidden = _mtp_hidden(params, cfg, pool.stash[slots])[:, None, :]
     tok = last[:, None]
     state = TrunkState(gdn_h=None, gdn_conv=None, kv_k=pool.draft_k, kv_v=pool.draft_v)
-    drafts, confs = [], []
+    drafts, confs, laws = [], [], []
     logits = None
     for j in range(static.num_drafts):
         pos = jnp.where(valid, seq_lens - 1 + j, -1)[:, None]
         io = _pool_io(static, pos, batch.draft_tables, drafter=True)
         hidden, logits, state = mtp_forward(params, cfg, tok, hidden, io, state, j % cfg.num_mtp_layers)
         logits = logits[:, 0]
-        d = _draw(logits, rows, jnp.arange(last.shape[0]), seq_lens + 1 + j) if static.samples else first_argmax(logits)
+        if static.samples and static.rejection:
+            assert rows is not None, "a sampling program takes its SamplingRows"
+            d, q = sampling.draft_draw(logits, rows, seq_lens + 1 + j)
+            laws.append(q)
+        elif static.samples:
+            d = _draw(logits, rows, jnp.arange(last.shape[0]), seq_lens + 1 + j)
+        else:
+            d = first_argmax(logits)
         lsm = jax.nn.log_softmax(logits, axis=-1)
         drafts.append(d)
-        confs.append(jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0])
+        # NOTE: under rejection the confidence is the drafter's top log-probability, a function of
+        # its logits only: a stop that read the drafted token's own probability would drop drafts
+        # by their identity and bias the emitted law (a dropped draft's position draws from p).
+        conf = jnp.max(lsm, axis=-1) if static.rejection else jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0]
+        confs.append(conf)
         tok = d[:, None]
     assert logits is not None
     pool = pool.replace(draft_k=state.kv_k, draft_v=state.kv_v)
+    if laws:
+        assert pool.draft_probs is not None, "rejection sampling keeps its drafter laws in the pool"
+        pool = pool.replace(draft_probs=pool.draft_probs.at[slots, : len(laws)].set(jnp.stack(laws, 1)))
     return jnp.stack(drafts, 1), jnp.stack(confs, 1), logits, pool
 
 
@@ -368,6 +404,8 @@ def speculative_step(
     propose's last-draft logits [B, V] f32 when nd > 0) with `static.logits`, else ().
     With `static.samples` (gumbel speculative sampling) the row tokens are the verify's draws and
     the drafts the coupled drafter's, with `rows` [B]: acceptance is the same rule on the draws.
+    With `static.rejection` too the row tokens are rejection sampling's (`sampling.rejection_rows`,
+    laid out so that the same rule finds its accepted count) and the propose keeps its laws.
     """
     logits, argmax, hidden, pool = step_rows(pool, params, batch, rows, static=static.step)
     b, t = batch.tokens.shape
@@ -407,7 +445,8 @@ def speculative_step(
 
 def read_sequence_state(pool: EnginePool, at: inputs.SequenceAddress) -> tuple[inputs.SwapArrays, EnginePool]:
     """Swap-out: everything the sequence at `at` owns (`SwapArrays`: live GDN state and window,
-    its KV blocks, with a drafter its stash row and drafter KV blocks). Donated: pool (returned
+    its KV blocks, with a drafter its stash row and drafter KV blocks, with rejection sampling its
+    pending drafts' laws). Donated: pool (returned
     unchanged)."""
     h, c = _live(pool)
     t = pool.trunk
@@ -421,6 +460,8 @@ def read_sequence_state(pool: EnginePool, at: inputs.SequenceAddress) -> tuple[i
             draft_k=pool.draft_k[:, at.draft_blocks],
             draft_v=pool.draft_v[:, at.draft_blocks],
         )
+    if pool.draft_probs is not None:
+        arrays = arrays.replace(draft_probs=pool.draft_probs[at.slot])
     return arrays, pool
 
 
@@ -443,6 +484,8 @@ def write_sequence_state(pool: EnginePool, arrays: inputs.SwapArrays, at: inputs
             draft_k=pool.draft_k.at[:, at.draft_blocks].set(arrays.draft_k),
             draft_v=pool.draft_v.at[:, at.draft_blocks].set(arrays.draft_v),
         )
+    if pool.draft_probs is not None:
+        pool = pool.replace(draft_probs=pool.draft_probs.at[at.slot].set(arrays.draft_probs))
     return pool
 
 

@@ -165,6 +165,7 @@ POOL_GROUPS = {
     "snap_stash": "prefix snapshots",
     "snap_draft_k": "prefix snapshots",
     "snap_draft_v": "prefix snapshots",
+    "draft_probs": "mtp drafter laws",
 }
 
 
