@@ -257,8 +257,8 @@ def generate(
     for line in _acceptance_lines(run) if run else [f"decode steps: {len(out) - 1} after the prefill"]:
         click.echo(line)
     click.echo(
-        f"time: {seconds:.2f} s wall, {engine.programs.compile_seconds:.2f} s of it compiling "
-        f"{engine.programs.compilations} programs ({warm_seconds:.2f} s warm-up; "
-        f"{engine.programs.compilations - warmed} programs compiled after it)"
+        f"time: {seconds:.2f} s wall ({warm_seconds:.2f} s warm-up); {engine.programs.compilations} programs "
+        f"compiled, {engine.programs.compile_seconds:.2f} s summed over them (the warm-up compiles in parallel); "
+        f"{engine.programs.compilations - warmed} compiled after the warm-up"
     )
     click.echo(clock.line())

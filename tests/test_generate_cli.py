@@ -37,7 +37,7 @@ def test_greedy_prints_text_and_times(greedy):
     assert greedy.exit_code == 0, greedy.output
     assert "small: 47 prompt tokens, 24 generated (plain greedy" in greedy.output
     assert "decode steps: 23 after the prefill" in greedy.output
-    assert "s of it compiling" in greedy.output and "steady state: " in greedy.output
+    assert "summed over them" in greedy.output and "steady state: " in greedy.output
     assert "tokens/s" in greedy.output.split("steady state: ", 1)[1]
 
 
