@@ -11,8 +11,9 @@ Cases, each over n prompts generated together:
 - the realistic-width model (`e2e_oracle_model`, random weights) with oracle drafts (`OracleDrafts`), so
   the engine's cost is measured apart from a drafter's quality;
 - `small` sampled (`e2e_sample_ns` prompts, temperature `e2e_temperature`, top-p `e2e_top_p`, prompt i
-  seeded `seed` + i): gumbel speculative sampling (the coupled MTP drafter) at the largest draft count,
-  fused, against plain sampling on the non-speculative engine (the "sampled_rows" of the result).
+  seeded `seed` + i): both speculative sampling modes at the largest draft count, fused, against plain
+  sampling on the non-speculative engine (the "sampled_rows" of the result): `gumbel` (the coupled MTP
+  drafter) and `rejection` (the drafter samples its own drafts; accept with min(1, p/q)).
 
 Engines: greedy runs on a non-speculative engine (a serve without --speculative: its decode runs no
 drafter catch-up); each draft count d has its own speculative engine with num_drafts = d (verify rows are
@@ -25,8 +26,9 @@ steady state (`metrale_jax.engine.throughput`): after the warm-up, the tokens em
 report (after the prefill) to its last over the time between them (tokens past max_new_tokens per prompt are
 not counted). The ratio is the median of the per-round ratios speculative / greedy.
 
-Invariant checked on every call: speculative generation emits exactly the greedy tokens ("same"); sampled,
-exactly plain sampling's tokens with the same seeds. Every row also gives the acceptance by draft position
+Invariant checked on every call: speculative generation emits exactly the greedy tokens ("same"); sampled
+with `gumbel`, exactly plain sampling's tokens with the same seeds (`rejection` preserves only the law, which
+tests/test_sampling.py checks; its "same" is None). Every row also gives the acceptance by draft position
 (accepted / verified drafts at each position, over every step of its calls).
 """
 
@@ -111,6 +113,7 @@ class Variant:
     tokens_per_verify: float = float("nan")
     verify_steps: int = 0
     same: bool = True
+    exact: bool = True  # its tokens must equal the reference's (False: rejection sampling, the law only)
     verified: np.ndarray | None = None  # drafts verified at each position, over its calls
     accepted: np.ndarray | None = None  # drafts accepted at each position, over its calls
 
@@ -164,7 +167,7 @@ def _case(
             progress=clock,
             sampling=per_prompt,
         )
-        v.same = v.same and res.tokens == reference
+        v.same = v.same and (res.tokens == reference or not v.exact)
         v.count(res.steps)
         v.verify_steps = len(res.steps)
         v.tokens_per_verify = res.emitted / max(sum(len(st.seqs) for st in res.steps), 1)
@@ -189,11 +192,12 @@ def _case(
     return greedy_rates
 
 
-def _engines(cfg, params, drafts: Sequence[int], *, max_batch: int, max_seq_len: int):
-    """(the greedy engine, {d: the speculative engine with num_drafts = d})."""
+def _engines(cfg, params, drafts: Sequence[int], *, max_batch: int, max_seq_len: int, speculative_sampling="gumbel"):
+    """(the greedy engine, {d: the speculative engine with num_drafts = d and `speculative_sampling`})."""
     base = dict(max_batch_size=max_batch, max_seq_len=max_seq_len)
     greedy = Engine(cfg, params, models.settings(**base))
-    return greedy, {d: Engine(cfg, params, models.settings(**base, speculative=True, num_drafts=d)) for d in drafts}
+    spec = dict(base, speculative=True, speculative_sampling=speculative_sampling)
+    return greedy, {d: Engine(cfg, params, models.settings(**spec, num_drafts=d)) for d in drafts}
 
 
 def _rows(
@@ -211,12 +215,17 @@ def _rows(
 ) -> list[dict]:
     """Every (n, d, mode) row of one model: `prompts_for(n)` gives n prompts; `oracle` the planted acceptance
     of oracle drafts (None: the engine's MTP drafter); `sampling`: plain and gumbel speculative sampling
-    (prompt i seeded seed + i), fused only, instead of greedy decoding.
+    (prompt i seeded seed + i), fused only, both speculative sampling modes, instead of greedy decoding.
     NOTE: sampled rows time the fused step alone: the composed sampled path is what the tests check
     token for token, and each mode's warm-up compiles its own sampled programs."""
     longest = max(len(p) for p in prompts_for(max(ns)))
     max_seq_len = max_seq_len_for(longest + new_tokens + max(drafts) + 2)
     greedy_engine, spec_engines = _engines(cfg, params, drafts, max_batch=max(ns), max_seq_len=max_seq_len)
+    rejection_engines = {}
+    if sampling is not None:
+        _, rejection_engines = _engines(
+            cfg, params, drafts, max_batch=max(ns), max_seq_len=max_seq_len, speculative_sampling="rejection"
+        )
     rows = []
     for n in ns:
         prompts = prompts_for(n)
@@ -238,7 +247,7 @@ def _rows(
             Variant(spec_engines[d], d, mode)
             for d in drafts
             for mode in (modes_at(d, drafts) if sampling is None else MODES[:1])
-        ]
+        ] + [Variant(e, d, MODES[0], exact=False) for d, e in rejection_engines.items()]
         greedy_rates = _case(greedy_engine, variants, prompts, new_tokens, rounds, source, reference, sampling)
         g = Stats.of(greedy_rates)
         for v in variants:
@@ -256,14 +265,16 @@ def _rows(
                 "ratio": Stats.of(v.ratios).__dict__,
                 "tokens_per_verify_per_seq": v.tokens_per_verify,
                 "verify_steps": v.verify_steps,
-                "same_tokens": v.same,
+                "same_tokens": v.same if v.exact else None,
                 "greedy_first_s": greedy_first,
                 "spec_first_s": v.first_s,
                 "sampling": None if sampling is None else sampling.describe(),
+                "speculative_sampling": None if sampling is None else v.engine.settings.speculative_sampling,
                 "acceptance_by_position": v.acceptance_by_position(),
             }
             _log(
-                f"{label}{'' if sampling is None else ' ' + sampling.describe()} n={n} d={v.drafts} {v.mode}: "
+                f"{label}{'' if sampling is None else ' ' + sampling.describe()} n={n} d={v.drafts} {v.mode}"
+                f"{'' if sampling is None else ' ' + v.engine.settings.speculative_sampling}: "
                 f"plain {g.median:.0f} tok/s, speculative "
                 f"{statistics.median(v.rates):.0f} tok/s, x{row['ratio']['median']:.2f}, "
                 f"{v.tokens_per_verify:.2f} tokens/verify/seq, same tokens {v.same}"

@@ -124,11 +124,13 @@ def test_e2e_section_generates_the_greedy_tokens_both_ways(smoke):
     ]
     assert [modes_at(d, [1, 2, 3]) for d in (1, 2, 3)] == [("fused",), ("fused",), ("fused", "composed")]
     sampled = saved["sections"]["e2e"]["sampled_rows"]
-    assert [(r["model"], r["sampling"], r["n"], r["drafts"], r["mode"]) for r in sampled] == [
-        ("small", "T 0.7, top-p 0.9, seed 0", 1, 1, "fused")
+    assert [(r["sampling"], r["speculative_sampling"], r["n"], r["drafts"], r["mode"]) for r in sampled] == [
+        ("T 0.7, top-p 0.9, seed 0", "gumbel", 1, 1, "fused"),
+        ("T 0.7, top-p 0.9, seed 0", "rejection", 1, 1, "fused"),
     ]
+    assert [r["same_tokens"] for r in sampled] == [True, None]  # rejection keeps the law, not the tokens
     for r in rows + sampled:
-        assert r["same_tokens"] and r["verify_steps"] > 0
+        assert r["same_tokens"] is not False and r["verify_steps"] > 0
         assert 1 <= r["tokens_per_verify_per_seq"] <= r["drafts"] + 1
         assert r["spec_tok_s"]["median"] > 0 and r["greedy_tok_s"]["median"] > 0 and r["ratio"]["median"] > 0
         assert len(r["acceptance_by_position"]) == r["drafts"]

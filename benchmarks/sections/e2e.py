@@ -99,6 +99,7 @@ def table(r: dict) -> Table:
     sampled_headers = (
         "model",
         "sampling",
+        "speculative",
         "n",
         "new",
         "drafts",
@@ -122,15 +123,17 @@ def table(r: dict) -> Table:
             "count on its own speculative engine (num_drafts = drafts, default K ladder); fused = one program per "
             "scheduler step, composed = verify, stash, fold, commit, propose one by one; oracle = the greedy "
             "continuation replayed, each draft position right with probability p (seeded)",
-            "sampled (second grid): gumbel speculative sampling (the MTP drafter drafts with the target's noise), "
-            "fused, against plain sampling on the non-speculative engine, prompt i seeded seed + i; "
+            "sampled (second grid): gumbel (the MTP drafter drafts with the target's noise; same tokens as plain "
+            "sampling) and rejection (the drafter samples its drafts; the same law, not the same tokens: '-') "
+            "speculative sampling, fused, against plain sampling on the non-speculative engine, prompt i seeded "
+            "seed + i; "
             "greedy's spec/greedy: the first grid's ratio at the same n, drafts and mode; "
             "acceptance: accepted / verified drafts at each "
             "draft position over every call",
         ),
         grids=(
             Grid(headers, rows, left=(0, 1, 5, 12)),
-            *([Grid(sampled_headers, sampled, left=(0, 1, 5, 12, 13))] if sampled else []),
+            *([Grid(sampled_headers, sampled, left=(0, 1, 2, 6, 13, 14))] if sampled else []),
         ),
     )
 
@@ -159,9 +162,10 @@ def _sampled_row(c: dict, greedy_rows: list[dict]) -> tuple[str, ...]:
     return (
         c["model"],
         c["sampling"],
+        c["speculative_sampling"],
         *_speed_cells(c),
         f"{same[0]['ratio']['median']:.2f}x" if same else "-",
         f"{c['tokens_per_verify_per_seq']:.2f}",
         " ".join(f"{a:.2f}" for a in c["acceptance_by_position"]),
-        "yes" if c["same_tokens"] else "NO",
+        "-" if c["same_tokens"] is None else "yes" if c["same_tokens"] else "NO",
     )
