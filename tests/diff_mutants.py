@@ -303,12 +303,13 @@ def planted_coverage(engine, name: str):
     if name == "tier-capacity":
         object.__setattr__(engine.counts, "slot_draft_capacity", _one_more_draft(engine.counts))
     elif name == "sentinel":
+        assert programs is not None
         run = programs.run
 
-        def colliding_run(name, fn, static, *args):
-            if name == "speculative_step":
+        def colliding_run(program, fn, static, *args):
+            if program == "speculative_step":
                 return run("speculative_step (sentinel mutant)", _with_colliding_accepts(fn), static, *args)
-            return run(name, fn, static, *args)
+            return run(program, fn, static, *args)
 
         programs.run = colliding_run
     elif name == "stop-keeps-one-below":
@@ -345,7 +346,7 @@ def planted_coverage(engine, name: str):
         DraftSchedule.cut = cut  # type: ignore[method-assign]
         if name == "tier-capacity":
             engine.counts.__dict__.pop("slot_draft_capacity", None)
-        if name == "sentinel":
+        if name == "sentinel" and programs is not None:
             programs.__dict__.pop("run", None)
             if own_run is not None:
                 programs.run = own_run

@@ -67,8 +67,8 @@ from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.schedule import (
-    accept_coverage,
     Layout,
+    accept_coverage,
     accept_histogram,
     batch_shapes,
     capped,
