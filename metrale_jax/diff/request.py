@@ -165,7 +165,9 @@ class DiffRequest:
     def check_engine(self, engine) -> None:
         """Refuse a request this engine cannot serve (DiffRequestError)."""
         s = engine.settings
-        self.check_layout(s.k_ladder)
+        ladder = s.k_ladder if self.tier_slots else None
+        if ladder is not None:
+            self.check_layout(ladder)
         mode_flag, ks_flag = ("--verify", "--verify") if self.verify else ("--verify-batch", "--verify-batch-ks")
         k_top = max(self.ks, default=0)
         problems = [
@@ -177,13 +179,13 @@ class DiffRequest:
                 "--generate runs the MTP scheduler: it needs a checkpoint with an MTP layer and --speculative",
             ),
             (
-                self.vocab_stress != getattr(engine.cfg, "vocab_stress", False),
+                self.vocab_stress != getattr(getattr(engine, "cfg", None), "vocab_stress", False),
                 "--vocab-stress is the engine's own head: build the engine with cfg.vocab_stress as the request asks",
             ),
             (
-                self.slots_needed(s.k_ladder) > s.max_batch_size,
-                f"this diff holds {self.slots_needed(s.k_ladder)} sequences at once: it needs --max-batch-size >= "
-                f"{self.slots_needed(s.k_ladder)} (got {s.max_batch_size})",
+                self.slots_needed(ladder) > s.max_batch_size,
+                f"this diff holds {self.slots_needed(ladder)} sequences at once: it needs --max-batch-size >= "
+                f"{self.slots_needed(ladder)} (got {s.max_batch_size})",
             ),
             (
                 self.tokens_needed(s.num_drafts) > s.max_seq_len,
