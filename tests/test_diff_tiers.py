@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from conftest import settings
 from diff_mutants import planted_coverage
 
@@ -26,6 +27,7 @@ from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sequences import SequenceState
 from metrale_jax.model.trunk import stress_edges
 from metrale_jax.presets import resolve_checkpoint
+from metrale_jax_cli.main import cli
 
 CFG, _ = resolve_checkpoint("tiny")
 
@@ -93,3 +95,19 @@ def test_no_slot_admits_more_drafts_than_its_verify_rows_hold_and_the_tier_mutan
     with planted_coverage(engine, "tier-capacity"):
         assert _admitted_beyond_rows(engine) == list(range(8, 18))
     assert _admitted_beyond_rows(engine) == []
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--verify-batch", "3", "--verify-batch-ks", "2", "--tier-slots"], "width 3 cannot hold a sequence in each"),
+        (["--verify", "2", "--tier-slots"], "--tier-slots applies to --verify-batch"),
+    ],
+)
+def test_a_bad_tier_layout_is_one_error_line_before_the_engine(flags, needle, tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["diff", "--checkpoint", "tiny", "--steps", "4", "--speculative", "--out", str(out), *flags]
+    r = CliRunner().invoke(cli, argv)
+    assert r.exit_code == 2 and "Traceback" not in r.output, (r.exit_code, r.output)
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert needle in line and not out.exists()
