@@ -37,9 +37,9 @@ test-fast: $(STAMP)
 	$(PY) scripts/run_tests.py -m "not slow" $(PYTEST_ARGS)
 
 # The diff's mutation score alone: every shared-code state bug planted one at a time must FAIL the
-# oracle variant where it first shows (part of `make test` too).
+# oracle variant where it first shows, each coverage mutant the diff mode that fits (part of `make test` too).
 mutants: $(STAMP)
-	$(PY) -m pytest tests/test_mutants.py
+	$(PY) -m pytest tests/test_mutants.py tests/test_mutants_coverage.py
 
 bench: $(STAMP)
 	$(PY) -m benchmarks all --notes benchmarks/RESULTS.md

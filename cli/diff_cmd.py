@@ -60,11 +60,13 @@ def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> Eng
     behavior = load_behavior(Path(checkpoint) / "MODEL.toml") if os.path.isdir(checkpoint) else None
     auto = min(request.slots_needed(), AUTO_MAX_SLOTS)
     settings = resolve_settings(raw, behavior, auto_slots=auto)
+    request.check_layout(settings.k_ladder)
+    needed = request.slots_needed(settings.k_ladder)
     sized: dict[str, int | str] = {}
     if "max_seq_len" not in raw:
         sized["max_seq_len"] = -(-request.tokens_needed(settings.num_drafts) // 64) * 64
-    if "max_batch_size" not in raw and settings.max_batch_size < request.slots_needed():
-        sized["max_batch_size"] = str(request.slots_needed())
+    if "max_batch_size" not in raw and settings.max_batch_size < needed:
+        sized["max_batch_size"] = str(needed)
     if request.prefill and max(request.prefill) >= CACHED_MIN_TOKENS and "enable_prefix_caching" not in raw:
         sized["enable_prefix_caching"] = True  # the cached leg
     if not sized:
@@ -101,6 +103,18 @@ def _settings(checkpoint: str, raw: dict[str, Any], request: DiffRequest) -> Eng
 )
 @click.option("--confidence-stop", type=float, help="--generate: cut drafts below this log-confidence.")
 @click.option(
+    "--tier-slots",
+    is_flag=True,
+    help="--verify-batch: spread the sequences over every tier of the K ladder (two per tier from its first "
+    "slot when the width allows; spares hold the slots between), each capped at its slot's K.",
+)
+@click.option(
+    "--vocab-stress",
+    is_flag=True,
+    help="The engine's head, in every run compared, swaps each row's argmax onto id 0 or the last id for a third "
+    "of the rows each, so paths gated on edge token values run.",
+)
+@click.option(
     "--forwards", help=f"Variants to compare with the reference, comma-separated [all: {','.join(known_labels())}]."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report instead of the summary.")
@@ -126,6 +140,8 @@ def diff(
     swap,
     generate,
     confidence_stop,
+    tier_slots,
+    vocab_stress,
     forwards,
     as_json,
     temperature,
@@ -154,6 +170,8 @@ def diff(
         sampling=parse_sampling(temperature, top_k, top_p, min_p, seed),
         generate=generate,
         confidence_stop=confidence_stop,
+        tier_slots=tier_slots,
+        vocab_stress=vocab_stress,
     )
     request.check()
     sink = OutputFile(out)
@@ -165,6 +183,7 @@ def diff(
     if raw.get("speculative_sampling") == "rejection" and request.sampling is not None:
         raise UsageError("--speculative-sampling rejection: the sampled diff checks gumbel speculative sampling only")
     cfg, params = resolve_checkpoint(checkpoint, dtype)
+    cfg = dataclasses.replace(cfg, vocab_stress=vocab_stress)
     settings = _settings(checkpoint, raw, request)
     pools = serve_pools(cfg, settings, params["embed"].dtype)
     require_room("this diff's engine", pools, "lower --steps, --max-seq-len or --max-batch-size")
@@ -175,7 +194,7 @@ def diff(
         report = run_diff(engine, request, variants, unavailable, progress=Bar())
     except EngineError as e:
         raise UsageError(f"the engine refused a step of this diff: {e}") from None
-    clamped = request.clamped(engine.counts)
+    clamped = request.clamped(engine.counts, engine.settings.k_ladder)
     report = {"checkpoint": checkpoint, **report, "clamped": clamped}
     text = to_json(report)
     sink.write(text.encode("utf-8"))

@@ -108,6 +108,9 @@ class ModelConfig:
     weight_layout: str = "qwen3_next"
     # The checkpoint prefix of the text trunk: "model" or "model.language_model".
     trunk_prefix: str = "model"
+    # `diff --vocab-stress`: the head moves a third of the argmaxes onto id 0 and a third onto the
+    # last id (`trunk.stress_edges`), so value-gated paths run; never read from a checkpoint.
+    vocab_stress: bool = False
 
     def __post_init__(self):
         problems = [

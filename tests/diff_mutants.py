@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.diff import Variant
+from metrale_jax.engine import transitions
 from metrale_jax.engine.engine import Engine
+from metrale_jax.engine.inputs import PAD_TOKEN
 from metrale_jax.engine.speculative import DraftSchedule
 
 MUTANTS = {
@@ -235,14 +237,52 @@ def stash_error(engine, prompt) -> float:
 
 #: Bugs of the classes the diff was blind to (issue 49), planted with `planted_coverage`: in the
 #: prefix cache's host bookkeeping (instance methods of the engine's own `PrefixCache`), in the
-#: swap record (`save_sequence_state`) or in the scheduler's draft cut (`DraftSchedule.cut`, the
-#: class: every schedule while planted). Every run on the engine runs them while planted.
+#: swap record (`save_sequence_state`), in the scheduler's draft cut (`DraftSchedule.cut`, the
+#: class: every schedule while planted), in the K ladder's slot capacity (the engine's
+#: `PoolCounts.slot_draft_capacity`) or in the fused step's acceptance (its program compiled under
+#: another name with `transitions.greedy_accepts` swapped while it traces). Every run on the engine
+#: runs them while planted.
 COVERAGE_MUTANTS = {
     "lru-keeps-referenced": "a cached block referenced again stays in the LRU (eviction frees a mapped block)",
     "keys-ignore-namespace": "the prefix cache's hash chain ignores the namespace",
     "swap-drops-partial-drafter-block": "a swap record holds one drafter block too few (its last, partial one)",
     "stop-keeps-one-below": "the confidence stop keeps the first draft below the stop",
+    "tier-capacity": "a verify slot below the top tier admits one draft more than its verify rows hold",
+    "sentinel": "the fused step's acceptance reads one column past a sequence's rows, the padding as token 0",
 }
+
+
+def colliding_accepts(tokens, argmax, lens):
+    """The `sentinel` mutant's `greedy_accepts`: agreement counted up to column lens inclusive,
+    with the padding read as token 0 (the sentinel before `inputs.PAD_TOKEN`): a full accept at
+    K < K_max whose last row's argmax is 0 counts one draft more."""
+    t = tokens.shape[1]
+    tokens = jnp.where(tokens == PAD_TOKEN, 0, tokens)
+    agree = (argmax[:, :-1] == tokens[:, 1:]) & (jnp.arange(1, t, dtype=jnp.int32)[None, :] <= lens[:, None])
+    return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+
+
+def _with_colliding_accepts(fn):
+    @functools.wraps(fn)
+    def traced(*args, **kw):
+        # NOTE: the swap lasts while the program traces: the compiled program keeps it, nothing else sees it.
+        kept, transitions.greedy_accepts = transitions.greedy_accepts, colliding_accepts
+        try:
+            return fn(*args, **kw)
+        finally:
+            transitions.greedy_accepts = kept
+
+    return traced
+
+
+def _one_more_draft(counts):
+    capacity = counts.slot_draft_capacity
+
+    def slot_draft_capacity(slot):
+        cap = capacity(slot)
+        return min(cap + 1, counts.k - 1) if cap else cap
+
+    return slot_draft_capacity
 
 
 def _acquire_keeps_lru(cache):
@@ -258,7 +298,21 @@ def planted_coverage(engine, name: str):
     """Plant `COVERAGE_MUTANTS[name]` in `engine` (any `Engine`) for the block."""
     assert name in COVERAGE_MUTANTS, name
     prefix, save, cut = engine.blocks.prefix, engine.save_sequence_state, DraftSchedule.cut
-    if name == "stop-keeps-one-below":
+    programs = getattr(engine, "programs", None)
+    own_run = programs.__dict__.get("run") if programs is not None else None
+    if name == "tier-capacity":
+        object.__setattr__(engine.counts, "slot_draft_capacity", _one_more_draft(engine.counts))
+    elif name == "sentinel":
+        assert programs is not None
+        run = programs.run
+
+        def colliding_run(program, fn, static, *args):
+            if program == "speculative_step":
+                return run("speculative_step (sentinel mutant)", _with_colliding_accepts(fn), static, *args)
+            return run(program, fn, static, *args)
+
+        programs.run = colliding_run
+    elif name == "stop-keeps-one-below":
 
         def keeps_one_below(self, drafts, confidences, keep):
             kept = cut(self, drafts, confidences, keep)[0]
@@ -290,3 +344,9 @@ def planted_coverage(engine, name: str):
                 owner.__dict__.pop(attr, None)
         engine.__dict__.pop("save_sequence_state", None)
         DraftSchedule.cut = cut  # type: ignore[method-assign]
+        if name == "tier-capacity":
+            engine.counts.__dict__.pop("slot_draft_capacity", None)
+        if name == "sentinel" and programs is not None:
+            programs.__dict__.pop("run", None)
+            if own_run is not None:
+                programs.run = own_run

@@ -127,3 +127,14 @@ def test_the_planted_stop_mutant_keeps_a_draft_below_the_stop():
         kept, _ = DraftSchedule(3, None, -2.0).cut(np.arange(3), conf, 3)
     assert kept == [0, 1]
     assert DraftSchedule(3, None, -2.0).cut(np.arange(3), conf, 3)[0] == [0]
+
+
+def test_the_planted_sentinel_mutant_counts_a_padding_row_after_a_full_accept():
+    """The `sentinel` coverage mutant's acceptance (padding read as 0, one column past the rows)
+    breaks the property above exactly on the collision: a full accept below K_max, last argmax 0."""
+    from diff_mutants import colliding_accepts
+
+    rows, argmax = [[5, 9], [5, 9, 7, 3]], [[9, 0], [9, 7, 3, 0]]
+    assert _device_accepts(rows, argmax).tolist() == [1, 3]
+    assert _device_accepts(rows, argmax, colliding_accepts).tolist() == [2, 3]
+    assert _device_accepts(rows, [[9, 4], [9, 7, 3, 0]], colliding_accepts).tolist() == [1, 3]

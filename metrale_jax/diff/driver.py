@@ -119,14 +119,18 @@ def run_diff(
             )
         elif r.mode in ("verify", "verify-batch"):
             plan = verify_plan(
-                engine, single_ks=r.verify, widths=r.verify_batch, ks=r.verify_batch_ks, fragment=r.fragment_slots
+                engine,
+                single_ks=r.verify,
+                widths=r.verify_batch,
+                ks=r.verify_batch_ks,
+                fragment=r.layout(engine.settings.k_ladder),
             )
             fields, reasons = diff_verify(
                 engine,
                 variants,
                 plan,
                 steps=r.steps,
-                fragment=r.fragment_slots,
+                fragment=r.layout(engine.settings.k_ladder),
                 mtp=r.mtp,
                 progress=progress,
                 single=r.mode == "verify",
@@ -148,6 +152,7 @@ def run_diff(
         "graphs": "jit",
         "steps": r.steps,
         **({} if r.sampling is None else {"sampling": r.sampling.describe()}),
+        **({"vocab_stress": True} if r.vocab_stress else {}),
         "provenance": provenance(engine),
         "variants": disclosed(engine, variants, unavailable),
         **fields,

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from metrale_jax.diff.compare import Comparison, Contract, Part, Recording, bounded, compare
-from metrale_jax.diff.schedule import offsets
+from metrale_jax.diff.schedule import Layout, offsets
 from metrale_jax.diff.slot_layout import SequenceBatch
 from metrale_jax.diff.state import state_parts
 from metrale_jax.engine.sampling import Sampling
@@ -129,7 +129,7 @@ def run_oracle(
     rows: Sequence[Sequence[int]],
     steps: Sequence[Committed],
     *,
-    fragment: bool = False,
+    fragment: Layout = False,
     num_drafts: int | None = None,
     sampling: Sequence[Sampling] | None = None,
 ) -> Recording:
@@ -195,7 +195,7 @@ def oracle_comparison(
     states,
     contract: Contract,
     *,
-    fragment: bool,
+    fragment: Layout,
     num_drafts: int | None,
     control: bool = True,
     sampling: Sequence[Sampling] | None = None,

@@ -152,7 +152,8 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
                     _control(s.get("fused_detection_control"))
                     + _control(s.get("oracle_detection_control"))
                     + _plain_sampling(s)
-                    + [f"  accepted drafts histogram: {hist} {counts}"],
+                    + [f"  accepted drafts histogram: {hist} {counts}"]
+                    + _coverage(s),
                 )
             )
     elif mode == "prefill":
@@ -240,6 +241,18 @@ def _warm_up(report: dict) -> str:
     if "warmup_s" not in report:
         return ""
     return f", {report['warmup_s']:.1f} s of it warm-up, then {report['compiled_after_warmup']} programs compiled"
+
+
+def _coverage(section: dict) -> list[str]:
+    """A verify section's `--tier-slots` slots and `--vocab-stress` edge hits, when it has them."""
+    out = [f"  slots (--tier-slots): {section['slots']}"] if "slots" in section else []
+    if "edge_hits" in section:
+        hits = section["edge_hits"]
+        out.append(
+            f"  edge ids (--vocab-stress): {hits['committed_0']} committed 0, {hits['committed_last_id']} the last id, "
+            f"{hits['full_accepts_below_k_max_then_0']} full accepts below K_max then 0"
+        )
+    return out
 
 
 def render_summary(report: dict) -> str:

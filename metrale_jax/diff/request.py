@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from metrale_jax.diff.schedule import slot_of
+from metrale_jax.diff.schedule import Layout, TierSpread, slot_of, tier_starts
+from metrale_jax.engine.capacity import KLadder
 from metrale_jax.engine.sampling import Sampling
 from metrale_jax.errors import MetraleError
 
@@ -48,6 +49,8 @@ class DiffRequest:
     sampling: Sampling | None = None  # --temperature ... --seed: the verify modes sample (None: greedy)
     generate: bool = False
     confidence_stop: float | None = None
+    tier_slots: bool = False  # --verify-batch: the sequences spread over every tier of the K ladder
+    vocab_stress: bool = False  # the engine's head moves argmaxes onto the edge ids (`trunk.stress_edges`)
 
     def _modes_given(self) -> list[str]:
         """The non-default modes whose flag (`--<mode>`, the field of the same name) is set, in `MODES` order."""
@@ -83,6 +86,11 @@ class DiffRequest:
                 self.fragment_slots and not (self.batch or self.verify_batch),
                 "--fragment-slots applies to --batch or --verify-batch",
             ),
+            (self.tier_slots and not self.verify_batch, "--tier-slots applies to --verify-batch"),
+            (
+                self.tier_slots and self.fragment_slots,
+                "--tier-slots and --fragment-slots are two slot layouts: give one",
+            ),
             (bool(self.prefill_chunk) and not self.prefill, "--prefill-chunk needs --prefill"),
             (
                 self.sampling is not None and not self.ks,
@@ -116,9 +124,27 @@ class DiffRequest:
             if bad:
                 raise DiffRequestError(message)
 
-    def slots_needed(self) -> int:
-        """Sequence slots the request holds at once (a swap holds a spacer and the restored)."""
+    def layout(self, ladder: KLadder) -> Layout:
+        """The slot layout of the request's batches on an engine with K ladder `ladder`."""
+        return TierSpread(ladder) if self.tier_slots else self.fragment_slots
+
+    def check_layout(self, ladder: KLadder) -> None:
+        """Refuse a `--tier-slots` width too narrow for the ladder's tiers (DiffRequestError)."""
+        tiers = len(tier_starts(ladder))
+        for n in self.verify_batch if self.tier_slots else ():
+            if n < tiers:
+                raise DiffRequestError(
+                    f"--tier-slots: --verify-batch width {n} cannot hold a sequence in each of the K ladder's "
+                    f"{tiers} tiers (give widths >= {tiers})"
+                )
+
+    def slots_needed(self, ladder: KLadder | None = None) -> int:
+        """Sequence slots the request holds at once (a swap holds a spacer and the restored);
+        with `--tier-slots`, on an engine with K ladder `ladder` (None: as if packed)."""
         widest = max(self.batch or self.verify_batch or (1,))
+        if self.tier_slots and ladder is not None:
+            self.check_layout(ladder)
+            return max(TierSpread(ladder).slots(n)[-1] + 1 for n in self.verify_batch)
         return {"swap": 2, "generate": 3}.get(self.mode, widest + int(self.fragment_slots))
 
     def tokens_needed(self, num_drafts: int) -> int:
@@ -139,6 +165,9 @@ class DiffRequest:
     def check_engine(self, engine) -> None:
         """Refuse a request this engine cannot serve (DiffRequestError)."""
         s = engine.settings
+        ladder = s.k_ladder if self.tier_slots else None
+        if ladder is not None:
+            self.check_layout(ladder)
         mode_flag, ks_flag = ("--verify", "--verify") if self.verify else ("--verify-batch", "--verify-batch-ks")
         k_top = max(self.ks, default=0)
         problems = [
@@ -150,9 +179,13 @@ class DiffRequest:
                 "--generate runs the MTP scheduler: it needs a checkpoint with an MTP layer and --speculative",
             ),
             (
-                self.slots_needed() > s.max_batch_size,
-                f"this diff holds {self.slots_needed()} sequences at once: it needs --max-batch-size >= "
-                f"{self.slots_needed()} (got {s.max_batch_size})",
+                self.vocab_stress != getattr(getattr(engine, "cfg", None), "vocab_stress", False),
+                "--vocab-stress is the engine's own head: build the engine with cfg.vocab_stress as the request asks",
+            ),
+            (
+                self.slots_needed(ladder) > s.max_batch_size,
+                f"this diff holds {self.slots_needed(ladder)} sequences at once: it needs --max-batch-size >= "
+                f"{self.slots_needed(ladder)} (got {s.max_batch_size})",
             ),
             (
                 self.tokens_needed(s.num_drafts) > s.max_seq_len,
@@ -164,14 +197,16 @@ class DiffRequest:
             if bad:
                 raise DiffRequestError(message)
 
-    def clamped(self, counts) -> list[str]:
+    def clamped(self, counts, ladder: KLadder = ()) -> list[str]:
         """One line per asked-for K that some sequence's slot cannot verify (`counts`: the
-        engine's `PoolCounts`): the verify modes run those sequences at their slot's capacity
-        (`schedule.capped`), and the report says so."""
+        engine's `PoolCounts`, `ladder` its K ladder, needed with `--tier-slots`): the verify
+        modes run those sequences at their slot's capacity (`schedule.capped`), and the report
+        says so."""
         flag = "--verify" if self.verify else "--verify-batch-ks"
         out = []
+        layout = self.layout(ladder)
         for n in (1,) if self.verify else self.verify_batch:
-            caps = [counts.slot_draft_capacity(slot_of(i, n, self.fragment_slots)) + 1 for i in range(n)]
+            caps = [counts.slot_draft_capacity(slot_of(i, n, layout)) + 1 for i in range(n)]
             for k in sorted(set(self.ks), reverse=True):
                 short = [i for i, cap in enumerate(caps) if cap < k]
                 if short:

@@ -5,15 +5,36 @@ Owns the pure, host-side rules (tests/test_diff.py's unit cases test each one):
 `--fragment-slots` puts each sequence), `capped` (each K capped by its slot's verify capacity),
 `offsets`, `step_drafts` (the greedy continuation with one draft corrupted on odd steps),
 `accepted` (leading drafts the verify's argmax agrees with), `control_row` and the accept
-coverage / histogram a verify report shows.
+coverage / histogram a verify report shows; `tier_starts` / `tier_slots` (where `--tier-slots`
+puts each sequence: spread over every tier of the K ladder).
+
+A layout (`Layout`) is False (sequence i on slot i), True (`--fragment-slots`) or a `TierSpread`
+(`--tier-slots`: each width's slots, strictly increasing, from the K ladder).
 
 Invariant: pure functions of plain ints and lists; no engine, no numpy state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
+
+from metrale_jax.engine.capacity import MTP_STATE_SLOTS_FLOOR, KLadder
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSpread:
+    """`--tier-slots` over `ladder`: a batch of n sequences sits on `tier_slots(n, ladder)`."""
+
+    ladder: KLadder
+
+    def slots(self, n: int) -> tuple[int, ...]:
+        return tier_slots(n, self.ladder)
+
+
+#: A batch's slot layout: False (slot i), True (`--fragment-slots`) or a `TierSpread` (`--tier-slots`).
+Layout = bool | TierSpread
 
 
 def batch_shapes(n: int, ks: Sequence[int]) -> list[list[int]]:
@@ -29,10 +50,38 @@ def batch_shapes(n: int, ks: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def slot_of(i: int, n: int, fragment: bool) -> int:
+def slot_of(i: int, n: int, fragment: Layout) -> int:
     """The slot sequence i of n takes when allocated in batch order from an empty pool; with
-    `fragment`, a spare allocated just before sequence n // 2 holds one slot in between."""
+    `fragment` True, a spare allocated just before sequence n // 2 holds one slot in between; a
+    `TierSpread` names each sequence's slot (spares hold the slots in between)."""
+    if isinstance(fragment, TierSpread):
+        return fragment.slots(n)[i]
     return i + int(fragment and i >= n // 2)
+
+
+def tier_starts(ladder: KLadder) -> list[int]:
+    """The first slot of each step of the K ladder that has verify state whatever the settings
+    (below `MTP_STATE_SLOTS_FLOOR`): step j holds the slots s with `n_max[j-1] <= s < n_max[j]`
+    (a sequence on slot s implies s + 1 active, `capacity.verify_slot_drafts`)."""
+    starts = [0, *(n_max for n_max, _ in ladder[:-1])]
+    return [s for s in starts if s < MTP_STATE_SLOTS_FLOOR]
+
+
+def tier_slots(n: int, ladder: KLadder) -> tuple[int, ...]:
+    """`--tier-slots`: the slots of n sequences split over the ladder's tiers (`tier_starts`) as
+    evenly as possible (the remainder to the deeper, first tiers), each group on consecutive
+    slots from its tier's first one (a group longer than its tier runs on into the next).
+    Requires n >= the number of tiers (ValueError otherwise), so every tier holds a sequence
+    and, with two per tier, a slot's neighbour verifies in the same step."""
+    starts = tier_starts(ladder)
+    if n < len(starts):
+        raise ValueError(f"{n} sequences cannot cover the K ladder's {len(starts)} tiers")
+    per, extra = divmod(n, len(starts))
+    out: list[int] = []
+    for t, start in enumerate(starts):
+        for j in range(per + (t < extra)):
+            out.append(max(start + j, out[-1] + 1 if out else 0))
+    return tuple(out)
 
 
 def capped(shape: Sequence[int], cap: Callable[[int], int]) -> list[int]:

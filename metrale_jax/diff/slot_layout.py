@@ -1,8 +1,8 @@
 """The slot layout of a diff run: sequences allocated in batch order, freed in reverse.
 
 Owns: `SequenceBatch`, the context manager every decode and verify run allocates and prefills
-through. With `fragment` it holds a spare slot before sequence n // 2; `relocate` is the swap's
-spill and restore.
+through. With `fragment` True it holds a spare slot before sequence n // 2, with a `TierSpread`
+(`--tier-slots`) spares on every slot between them; `relocate` is the swap's spill and restore.
 
 Invariants:
 - The engine's slot free list is a stack, so freeing in reverse allocation order hands the next
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kernels_pallas.gdn.reference import CHUNK as GDN_CHUNK
-from metrale_jax.diff.schedule import slot_of
+from metrale_jax.diff.schedule import Layout, slot_of
 from metrale_jax.engine.capacity import MIN_PREFILL_BUCKET
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.inputs import SwapRecord
@@ -58,7 +58,7 @@ class SequenceBatch:
     """`n` sequences of `engine` for one run; `seqs` in batch order (see the module docstring).
     `namespace`: their prefix-cache namespace (default: a private one when the engine caches)."""
 
-    def __init__(self, engine: Engine, n: int, fragment: bool = False, namespace: str | None = None):
+    def __init__(self, engine: Engine, n: int, fragment: Layout = False, namespace: str | None = None):
         self.engine, self.n, self.fragment = engine, n, fragment
         cached = engine.blocks.prefix is not None
         self.namespace = (namespace or private_namespace()) if cached else None
@@ -73,13 +73,13 @@ class SequenceBatch:
     def __enter__(self) -> SequenceBatch:
         try:
             for i in range(self.n):
-                if self.fragment and i == self.n // 2:
-                    self._alloc()
+                want = slot_of(i, self.n, self.fragment)
                 seq = self._alloc()
-                if seq.slot != slot_of(i, self.n, self.fragment):
+                while seq.slot < want:  # a spare holds a slot below the sequence's
+                    seq = self._alloc()
+                if seq.slot != want:
                     raise SlotLayoutError(
-                        f"sequence {i} took slot {seq.slot}, not {slot_of(i, self.n, self.fragment)}: "
-                        "another sequence is live on this engine"
+                        f"sequence {i} took slot {seq.slot}, not {want}: another sequence is live on this engine"
                     )
                 self.seqs.append(seq)
         except BaseException:

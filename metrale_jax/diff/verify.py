@@ -67,6 +67,7 @@ from metrale_jax.diff.progress import SILENT, Progress
 from metrale_jax.diff.prompts import batch_prompts, prompts
 from metrale_jax.diff.report import failure_line
 from metrale_jax.diff.schedule import (
+    Layout,
     accept_coverage,
     accept_histogram,
     batch_shapes,
@@ -102,7 +103,7 @@ def run_verify(
     *,
     greedy: Sequence[Sequence[int]] | None = None,
     log: Sequence[Logged] | None = None,
-    fragment: bool = False,
+    fragment: Layout = False,
     num_drafts: int | None = None,
     states: list | None = None,
     progress: Progress = SILENT,
@@ -179,7 +180,7 @@ def run_fused(
     ks: Sequence[int],
     log: Sequence[Logged],
     *,
-    fragment: bool = False,
+    fragment: Layout = False,
     num_drafts: int | None = None,
     changed: tuple[int, int] | None = None,
     progress: Progress = SILENT,
@@ -260,6 +261,24 @@ def committed_streams(log: Sequence[Logged], ks: Sequence[int]) -> list[list[int
     return [[t for x in log for t in x.tokens[off[i] : off[i] + x.accepted[i] + 1]] for i in range(len(ks))]
 
 
+def edge_hits(log: Sequence[Logged], ks: Sequence[int], vocab: int, k_max: int) -> dict:
+    """What `--vocab-stress` made the reference meet: committed tokens 0 and vocab - 1, and full
+    accepts below K_max whose last row's argmax (the next step's first token) is 0, the case a
+    padding sentinel of 0 collides with."""
+    committed = [t for stream in committed_streams(log, ks) for t in stream]
+    off = offsets(ks)
+    collisions = sum(
+        log[s].accepted[i] == ks[i] - 1 and ks[i] < k_max and log[s + 1].tokens[off[i]] == 0
+        for s in range(len(log) - 1)
+        for i in range(len(ks))
+    )
+    return {
+        "committed_0": committed.count(0),
+        "committed_last_id": committed.count(vocab - 1),
+        "full_accepts_below_k_max_then_0": collisions,
+    }
+
+
 def plain_sampling_check(label: str, streams: Sequence[Sequence[int]], plain: Sequence[Sequence[int]]) -> dict:
     """Whether each sequence's committed tokens are plain sampling's (`plain`: its continuation
     of the same prompts and seeds): {label, ok, tokens compared, first_mismatch (sequence,
@@ -279,7 +298,12 @@ def _changed(log: Sequence[Logged], at: int, row: int, vocab: int) -> list[Logge
 
 
 def verify_plan(
-    engine, *, single_ks: Sequence[int] = (), widths: Sequence[int] = (), ks: Sequence[int] = (), fragment: bool = False
+    engine,
+    *,
+    single_ks: Sequence[int] = (),
+    widths: Sequence[int] = (),
+    ks: Sequence[int] = (),
+    fragment: Layout = False,
 ) -> list[tuple[list[list[int]], list[list[int]]]]:
     """[(prompts, shapes)]: `--verify` runs prompt 0 alone at each K in `single_ks`;
     `--verify-batch` runs `batch_prompts(n)` for each n in `widths` at `batch_shapes(n, ks)`.
@@ -305,7 +329,7 @@ def diff_verify(
     plan,
     *,
     steps: int,
-    fragment: bool,
+    fragment: Layout,
     mtp: bool,
     progress: Progress,
     single: bool,
@@ -432,6 +456,10 @@ def diff_verify(
                 "timings": timings,
                 "detection_control": control.to_json(),
             }
+            if not isinstance(fragment, bool):
+                section["slots"] = [slot_of(i, n, fragment) for i in range(n)]
+            if getattr(engine.cfg, "vocab_stress", False):
+                section["edge_hits"] = edge_hits(log, ks, engine.cfg.vocab_size, engine.counts.k)
             if fused_control is not None:
                 section["fused_detection_control"] = fused_control.to_json()
             if oracle_control is not None:
@@ -439,9 +467,8 @@ def diff_verify(
             if plain is not None:
                 section["plain_sampling"], section["plain_sampling_control"] = plain
             sections.append({"k": ks[0], **section} if single else section)
-    fields = (
-        {"mtp": mtp, "verify": sections} if single else {"fragment_slots": fragment, "drafter": mtp, "shapes": sections}
-    )
+    layout = {"fragment_slots": fragment} if isinstance(fragment, bool) else {"tier_slots": True}
+    fields = {"mtp": mtp, "verify": sections} if single else {**layout, "drafter": mtp, "shapes": sections}
     if mtp:
         fields["drafter_warmup"] = warmups
     return fields, reasons

@@ -77,7 +77,21 @@ def lm_head(params, cfg: ModelConfig, normed):
     # product and scheduled that copy (1.19 GB for the 80B's lm_head) at the program's start, where it
     # stayed live through every layer of a prefill. A no-op on values and on a GPU.
     normed, w = jax.lax.optimization_barrier((normed, w))
-    return linear(normed, w).astype(jnp.float32)
+    logits = linear(normed, w).astype(jnp.float32)
+    return stress_edges(logits) if cfg.vocab_stress else logits
+
+
+def stress_edges(logits):
+    """`cfg.vocab_stress` (`diff --vocab-stress`): logits [..., V] f32 with, in each row whose
+    first argmax a has a % 3 == 1 (== 2), the values at a and at id 0 (at id V - 1) swapped.
+    A permutation of each row, a function of that row alone: the argmax moves onto the edge id
+    (ties aside), the row's values (and its log-softmax's) stay the same set."""
+    v = logits.shape[-1]
+    top = jnp.argmax(logits, axis=-1)[..., None]
+    edge = jnp.where(top % 3 == 1, 0, jnp.where(top % 3 == 2, v - 1, top))
+    ids = jnp.arange(v)
+    src = jnp.where(ids == edge, top, jnp.where(ids == top, edge, ids))
+    return jnp.take_along_axis(logits, src, axis=-1)
 
 
 def final_norm(params, cfg: ModelConfig, hidden):
