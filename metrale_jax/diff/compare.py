@@ -126,6 +126,12 @@ def _ordered(u: np.ndarray, itemsize: int) -> np.ndarray:
     return np.where(u & sign, -mag, mag)
 
 
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| in units in the last place, elementwise, for float arrays of one dtype and shape (int64)."""
+    ua, ub = _unsigned(np.asarray(a)), _unsigned(np.asarray(b))
+    return np.abs(_ordered(ua, ua.dtype.itemsize) - _ordered(ub, ub.dtype.itemsize))
+
+
 def _hex(u) -> str:
     return f"0x{int(u):0{2 * u.dtype.itemsize}x}"
 

@@ -195,8 +195,12 @@ def _sections(report: dict) -> list[tuple[str, list[dict], dict | None, list[str
             for p in g["verify_steps"]
         ]
         extra += [
-            "  composed vs fused step records (drafts, confidences by bits): "
-            + ("equal" if g["first_difference"] is None else f"DIFFER at {g['first_difference']}"),
+            f"  composed vs fused step records (drafts exactly, confidences within {g['confidence_bound_ulp']} ulp): "
+            + (
+                f"equal (confidences {g['confidence_max_ulp']} ulp apart at most)"
+                if g["first_difference"] is None
+                else f"DIFFER at {g['first_difference']}"
+            ),
             "  control: one draft changed: " + ("BLIND" if control is None else f"fired at step {control['step']}"),
         ]
         title = f"generate: {g['prompts']} prompts x {g['new_tokens']} tokens, stop {g['confidence_stop']}"
