@@ -49,11 +49,13 @@ def invariant_einsum(spec: str, a, b, preferred_element_type=None):
 
 def summed_axis_order(out: str, summed: str, larger: str) -> str:
     """The axes of the broadcast product: `out`'s, with `summed` placed before the first output index that
-    follows it in the larger operand's labels `larger` (last when none does).
+    follows it in the larger operand's labels `larger`, or where none does, before the last output index.
 
     NOTE: the larger operand (the GDN state [b, h, k, v], the attention's value tile [b, g, s, d]) then keeps
-    its layout, where a summed index moved last transposed it at every row; the product and its sum tree per
-    output element are the same whatever the position, so the bits are too."""
+    its layout, where a summed index moved last transposed it at every row; and the product's minor axis is
+    an output index, so the sum tree adds contiguous vectors (a sum over the minor axis, the attention scores'
+    d, read the key tile with a stride of d for every output vector). The product and its sum tree per output
+    element are the same whatever the position, so the bits are too."""
     after = [c for c in larger[larger.index(summed) + 1 :] if c in out] if summed in larger else []
-    at = out.index(after[0]) if after else len(out)
+    at = out.index(after[0]) if after else max(len(out) - 1, 0)
     return out[:at] + summed + out[at:]
