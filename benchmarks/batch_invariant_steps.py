@@ -63,18 +63,27 @@ def _steps(model: str, prefill_len: int, ctx: int, invariant: bool, seed: int) -
     }
 
 
+#: A round times a step for at least this long (more calls than `calls` for a step of a fraction of a millisecond,
+#: whose median over a few calls on a loaded machine is noise).
+ROUND_S = 0.05
+
+
 def worker(model: str, prefill_len: int, ctx: int, invariant: bool, seed: int, calls: int) -> None:
     """One mode's process: build and compile every step, print `{"ready": true}`, then for each line "round" of
-    stdin print {step: median seconds of `calls` calls} (one JSON line each) until stdin closes."""
+    stdin print {step: median seconds of its calls} (one JSON line each) until stdin closes. A step's calls: the
+    prefill once, the others `calls` or as many as fill `ROUND_S` (from a timed call after the compile)."""
     steps = _steps(model, prefill_len, ctx, invariant, seed)
-    for f in steps.values():
+    counts = {}
+    for k, f in steps.items():
         f()  # compiles
+        counts[k] = 1 if k == "prefill" else max(calls, min(200, int(ROUND_S / max(f(), 1e-6))))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if line.strip() == "round":
             # NOTE: the prefill once a round: it is the long step (seconds at 45 M), and the rounds give its median.
-            times = {k: statistics.median(f() for _ in range(1 if k == "prefill" else calls)) for k, f in steps.items()}
-            print(json.dumps(times), flush=True)
+            print(
+                json.dumps({k: statistics.median(f() for _ in range(counts[k])) for k, f in steps.items()}), flush=True
+            )
 
 
 class _Worker:

@@ -22,7 +22,11 @@ COMMANDS: dict[str, Command] = {
                 help="prefill tokens (one chunk, once a round), default 256 (smoke 32)",
             ),
             click.Option(["--invariant-rounds"], type=int, help="alternated rounds of both modes, default 3 (smoke 1)"),
-            click.Option(["--invariant-calls"], type=int, help="calls of each step per round, default 5 (smoke 1)"),
+            click.Option(
+                ["--invariant-calls"],
+                type=int,
+                help="calls of each step per round (at least; a fast step more), default 5 (smoke 1)",
+            ),
             STEP_OPTIONS["ctx"],
         ),
     )
