@@ -2,9 +2,9 @@
 
 Commands:
 - one per section (`hf`, `hf-45m`, `hf-300m`, `hf-0.8b`, `e2e`, `anatomy`, `compile`, `forwards`, `gap`, `slots`,
-  `multiturn`, `roofline`): that section alone, with its own options (`benchmarks.sections`);
+  `multiturn`, `invariant`, `roofline`): that section alone, with its own options (`benchmarks.sections`);
 - `all`: several sections in one run, with every section's options: by default hf, hf-45m, hf-300m, hf-0.8b,
-  e2e, anatomy, compile, forwards, gap, slots, multiturn (`make bench`, which also passes `--notes
+  e2e, anatomy, compile, forwards, gap, slots, multiturn, invariant (`make bench`, which also passes `--notes
   benchmarks/RESULTS.md`); `--sections` picks; `--smoke`: every section at tiny sizes; `--gpu`: the roofline;
 - the probes (`benchmarks.probes`: step-times, thunk-profile, layout-ab, oracle-loop, small-m-products,
   moe-forms): one measurement each, printed, for the figures BUILD_NOTES.md cites; each runs pinned to one

@@ -74,6 +74,10 @@ class Settings:
     multiturn_new_tokens: int  # multiturn: tokens generated per turn
     multiturn_block: int  # multiturn: --block-size
     multiturn_chunk: int  # multiturn: --max-prefill-tokens (the prefill chunk; its ends are snapshots)
+    invariant_models: list[str]  # invariant: the models whose steps run in both modes
+    invariant_prefill: int  # invariant: prefill tokens (one chunk)
+    invariant_rounds: int  # invariant: alternated rounds of both modes
+    invariant_calls: int  # invariant: calls of each step per round (median)
     e2e_ns: list[int]  # e2e: prompts generated together on `small` (its MTP head drafting)
     e2e_drafts: list[int]  # e2e: drafts per verify (one speculative engine each, under its default K ladder)
     e2e_new_tokens: int  # e2e: tokens generated per prompt

@@ -1,7 +1,7 @@
 """The reductions of the model and of the kernels' references, written so that their bits do not
 depend on the program around them, with the semantics of the plain ones.
 
-Owns: `pairwise_sum` (a shape-invariant sum over the last axis: the attention kernel's interpreted
+Owns: `pairwise_sum` (a shape-invariant sum over one axis, the last by default: the attention kernel's interpreted
 body, its reference, and the model's norms and softmaxes), `ordered_sum` (terms added left to right,
 index 0 first, in the input's dtype, whatever the array's shape) and `first_argmax` (`jnp.argmax`
 over the last axis, int32).
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def pairwise_sum(x):
-    """Sum over the last axis as a pairwise tree of elementwise adds (first half + second half;
-    the length is zero-padded to a power of two).
+def pairwise_sum(x, axis: int = -1):
+    """Sum over `axis` (the last by default) as a pairwise tree of elementwise adds (first half + second
+    half; the length is zero-padded to a power of two). An element's tree is the same along any axis.
 
     NOTE: not `jnp.sum`: XLA CPU sums an axis in an order that depends on the array's shape and on
     what the reduction is fused with (large arrays go to YNNPACK, smaller ones are split into
@@ -31,14 +31,17 @@ def pairwise_sum(x):
     or normalised in two programs that fuse its producer differently, differs in the last bit.
     Elementwise adds round alike at any shape and in any fusion.
     """
-    n = x.shape[-1]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, (1 << (n - 1).bit_length()) - n)
+    x = jnp.pad(x, pad)
     # NOTE: lax ops, not `x[..., :half] + ...`: the same primitives, traced without NumPy indexing's
     # rewriting and type promotion, which cost most of this tree's tracing (it runs in every norm).
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = lax.add(lax.slice_in_dim(x, 0, half, axis=-1), lax.slice_in_dim(x, half, 2 * half, axis=-1))
-    return x.reshape(x.shape[:-1])
+    while x.shape[axis] > 1:
+        half = x.shape[axis] // 2
+        x = lax.add(lax.slice_in_dim(x, 0, half, axis=axis), lax.slice_in_dim(x, half, 2 * half, axis=axis))
+    return lax.squeeze(x, (axis,))
 
 
 def ordered_sum(x, axis: int):

@@ -35,6 +35,7 @@ from diff_mutants import SUB_BOUND_MUTANTS
 from kernels_cpu.rows_matmul.api import kernel_unavailable, rows_matmul_invariant
 from kernels_pallas.invariant import invariant_einsum
 from kernels_pallas.ops import InvariantOps, ReferenceOps
+from kernels_pallas.reductions import pairwise_sum
 from metrale_jax.engine.engine import Engine, make_ops
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.settings import unsupported
@@ -90,6 +91,37 @@ def test_invariant_einsum_matches_einsum_and_ignores_the_rows_around():
     assert one.tobytes() == full[:1].tobytes()
     with pytest.raises(ValueError, match="exactly one index"):
         invariant_einsum("ab,bc->a", s[0, 0], k[0])
+
+
+@pytest.mark.parametrize(
+    "spec, a_shape, b_shape, in_place",
+    [
+        ("bhkv,bhk->bhv", (8, 3, 16, 12), (8, 3, 16), True),  # the GDN state read by a key
+        ("bgmd,bgsd->bgms", (2, 2, 8, 16), (2, 2, 64, 16), False),  # attention scores: d is both operands' minor
+        ("bgms,bgsd->bgmd", (2, 2, 8, 64), (2, 2, 64, 16), True),  # attention PV over a value tile
+    ],
+)
+def test_invariant_einsum_keeps_the_larger_operand_in_place_and_sums_over_a_non_minor_axis(
+    spec, a_shape, b_shape, in_place
+):
+    """No transpose of the larger operand (the GDN state, a value tile) unless the summed index is its minor
+    axis, the sum tree's slices cut an axis other than the minor one, and the bits are those of the index
+    summed last."""
+    a = jax.random.normal(jax.random.key(4), a_shape, jnp.float32)
+    b = jax.random.normal(jax.random.key(5), b_shape, jnp.float32)
+    larger = a if a.size >= b.size else b
+    jaxpr = jax.make_jaxpr(lambda a, b: invariant_einsum(spec, a, b))(a, b).jaxpr
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "transpose" and in_place:
+            assert eqn.invars[0].aval.shape != larger.shape, spec
+        if eqn.primitive.name == "slice":
+            rank = len(eqn.invars[0].aval.shape)
+            assert eqn.params["limit_indices"][rank - 1] == eqn.invars[0].aval.shape[rank - 1], spec
+    inputs, out = spec.split("->")
+    summed = next(c for c in inputs if c not in out and c != ",")
+    got = jax.jit(lambda a, b: invariant_einsum(spec, a, b))(a, b)
+    summed_last = jax.jit(lambda a, b: pairwise_sum(jnp.einsum(f"{inputs}->{out}{summed}", a, b)))(a, b)
+    assert np.asarray(got).tobytes() == np.asarray(summed_last).tobytes(), spec
 
 
 def _pinned(script: str, *argv: str) -> dict:

@@ -63,6 +63,7 @@ def test_smoke_prints_every_table_and_writes_the_json(smoke):
         "gap",
         "slots",
         "multiturn",
+        "invariant",
         "roofline",
     ]
     assert saved["failed"] == []
@@ -75,6 +76,7 @@ def test_smoke_prints_every_table_and_writes_the_json(smoke):
         "== Forwards",
         "== Idle gap",
         "== Slots",
+        "== Batch-invariant mode",
         "== Roofline (DRY RUN",
     ):
         assert title in res["table"]
@@ -156,6 +158,18 @@ def test_gap_section_times_every_gap_in_every_round(smoke):
     assert [g["gap_s"] for g in gap["gaps"]] == [0.0, 0.001]
     for g in gap["gaps"]:
         assert len(g["round_medians_s"]) == gap["rounds"] == 1 and g["best_median_s"] == min(g["round_medians_s"]) > 0
+
+
+def test_invariant_section_times_every_step_in_both_modes(smoke):
+    """Each step ran in the default mode and under --batch-invariant (their own processes), and its ratio is
+    the two modes' times of the same round."""
+    _, saved = smoke
+    sec = saved["sections"]["invariant"]
+    steps = ["decode n=1", "decode n=8", "verify n=8 K=4", f"prefill {sec['prefill_len']}"]
+    assert [(r["model"], r["step"]) for r in sec["rows"]] == [("tiny", s) for s in steps]
+    for r in sec["rows"]:
+        assert r["default_s"] > 0 and r["invariant_s"] > 0 and len(r["round_ratios"]) == sec["rounds"] == 1
+        assert r["ratio"] == pytest.approx(r["invariant_s"] / r["default_s"]), r
 
 
 def test_slots_section_times_both_steps_at_every_slot_count(smoke):

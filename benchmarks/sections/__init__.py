@@ -14,14 +14,27 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from benchmarks.sections import anatomy, compiles, e2e, forwards, gap, hf, multiturn, roofline, slots
+from benchmarks.sections import anatomy, compiles, e2e, forwards, gap, hf, invariant, multiturn, roofline, slots
 
-_MODULES: tuple[ModuleType, ...] = (hf, e2e, anatomy, compiles, forwards, gap, slots, multiturn, roofline)
+_MODULES: tuple[ModuleType, ...] = (hf, e2e, anatomy, compiles, forwards, gap, slots, multiturn, invariant, roofline)
 
 #: Section name -> its module, in the order `all` runs them.
 SECTIONS: dict[str, ModuleType] = {name: m for m in _MODULES for name in m.COMMANDS}
 
 #: The sections `make bench` runs (`all` without --sections, --smoke or --gpu).
-DEFAULT = ["hf", "hf-45m", "hf-300m", "hf-0.8b", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn"]
+DEFAULT = [
+    "hf",
+    "hf-45m",
+    "hf-300m",
+    "hf-0.8b",
+    "e2e",
+    "anatomy",
+    "compile",
+    "forwards",
+    "gap",
+    "slots",
+    "multiturn",
+    "invariant",
+]
 #: The smoke run's sections: every one at tiny sizes, the HF comparison at realistic width once (its stand-in).
-SMOKE = ["hf", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn", "roofline"]
+SMOKE = ["hf", "hf-300m", "e2e", "anatomy", "compile", "forwards", "gap", "slots", "multiturn", "invariant", "roofline"]
