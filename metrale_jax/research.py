@@ -6,24 +6,30 @@ the schedule constructors (`flat_schedule`, `ladder_schedule`), `ScheduleRun` (t
 summaries (mean accepted length, acceptance by draft position, tokens per verify row, confidence
 calibration, the trade-off of a confidence cut-off), `Study.sweep`, the wall-clock measurement
 (`Study.throughput` -> `Throughput`, on `Study.serving` engines, each sized as a serve, and
-`machine_label`, the machine it ran on), gumbel speculative sampling with both laws at every drafted
-position (`coupled_generate`, `Study.coupling` -> `CouplingRun`, its match rates against the coupling's
-bounds), `study_for` (a cached study of a checkpoint, with the checkpoint's own tokenizer) and
-`heldout_prompts` (prompts from the small model's held-out text, encoded by a given tokenizer: bytes by
-default).
+`machine_label`, the machine it ran on), speculative sampling with both laws at every drafted
+position in either mode (`coupled_generate`, `Study.coupling` -> `CouplingRun`, its match rates
+against the coupling's bounds, its acceptance where reached against 1 - TV), speculative sampling
+on the engine's own step in either mode (`Study.sampled` -> `ScheduleRun`), `study_for` (a cached
+study of a checkpoint, with the checkpoint's own tokenizer) and `heldout_prompts` (prompts from
+the small model's held-out text, encoded by a given tokenizer: bytes by default).
 
 Invariants:
 - Runs are greedy: every emitted token is the verify's argmax, so a run's tokens equal plain
   greedy decoding whatever the schedule (`speculative_generate`'s invariant); a schedule moves
-  only acceptance and cost. A coupling run samples (gumbel mode): every emitted token is the
-  target's draw at its position, so its tokens equal plain sampling with the same seeds.
+  only acceptance and cost. A coupling run in gumbel mode samples: every emitted token is the
+  target's draw at its position, so its tokens equal plain sampling with the same seeds. In
+  rejection mode its tokens follow plain sampling's law (not its tokens); every draw is keyed by
+  (seed, position, tag), so the composed loop emits the engine's fused step's tokens.
 - In a coupling run the drafter's draft at drafted position j and the target's draw at verify row
   j condition on the same prefix (the anchor and drafts before j) and share the Gumbel noise of
   their position, so at every drafted position, reached or not, the match is a coupled draw:
   P(match) >= (1 - TV) / (1 + TV) of the two filtered laws there (Daliri, Musco and Suresh 2024),
-  and no coupling exceeds 1 - TV.
+  and no coupling exceeds 1 - TV. In rejection mode a draft at a reached position is accepted
+  with probability exactly 1 - TV there (sum over x of min(p(x), q(x))); reaching it depends only
+  on the draws before it, so the acceptance over reached positions estimates the mean 1 - TV there.
 - Draft position j (0-based) of a step is *reached* when drafts 0..j-1 were all accepted; it is
-  *accepted* when reached and equal to the verify's argmax (greedy prefix acceptance), so
+  *accepted* when reached and equal to the verify's row token (greedy prefix acceptance: the
+  argmax, a sampled run's draw, or rejection's verdict in its layout), so
   `accepted_at[:, j]` implies `reached[:, j]` and `accepted == accepted_at.sum(1)`.
 - Confidences are the drafter's log-probabilities of its drafts (log_softmax of the MTP logits),
   as `DraftSchedule.confidence_stop` reads them; calibration reports them as probabilities.
@@ -50,7 +56,7 @@ from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import DEFAULT_K_LADDER, KLadder
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sampling import Sampling, SamplingRows, per_sequence, probabilities
-from metrale_jax.engine.settings import parse_k_ladder, resolve_settings
+from metrale_jax.engine.settings import SPECULATIVE_SAMPLING_MODES, parse_k_ladder, resolve_settings
 from metrale_jax.engine.speculative import (
     DraftSchedule,
     GenerationResult,
@@ -322,17 +328,20 @@ class Throughput:
 
 @dataclasses.dataclass(frozen=True)
 class CouplingRun:
-    """One gumbel speculative sampling run (`coupled_generate`) under a flat schedule of D drafts:
-    `run` its step rows (`ScheduleRun`: acceptance by position, tokens per verify), and per step
-    row (N) and drafted position (D): `match` bool [N, D], the draft equals the target's draw at
-    its position; `tv` float [N, D], the total variation between the drafter's and the target's
-    filtered laws (`sampling.probabilities`) there. `sampling`: the first prompt's parameters
-    (prompt i draws with seed + i)."""
+    """One speculative sampling run with both laws kept (`coupled_generate`) under a flat schedule
+    of D drafts, in `speculative_sampling` mode (gumbel or rejection): `run` its step rows
+    (`ScheduleRun`: acceptance by position, tokens per verify), and per step row (N) and drafted
+    position (D): `match` bool [N, D], the draft equals the verify's row token at its position (in
+    gumbel mode the target's draw there; in rejection mode the verdict's layout makes it the
+    draft's acceptance, `run.accepted_at`); `tv` float [N, D], the total variation between the
+    drafter's and the target's filtered laws (`sampling.probabilities`) there. `sampling`: the
+    first prompt's parameters (prompt i draws with seed + i)."""
 
     sampling: Sampling
     run: ScheduleRun
     match: np.ndarray
     tv: np.ndarray
+    speculative_sampling: str = "gumbel"
 
     def bounds(self) -> dict[str, np.ndarray]:
         """Per drafted position, float [D]: `match_rate` (measured), `lower` (mean (1 - TV) / (1 +
@@ -345,6 +354,23 @@ class CouplingRun:
             "lower": cols[1].mean(0),
             "upper": cols[2].mean(0),
             "pooled": np.array([c.mean() for c in cols]),
+        }
+
+    def reached_bounds(self) -> dict[str, np.ndarray]:
+        """Over the reached drafted positions only (`run.reached`), per position float [D] (NaN
+        where none was reached): `acceptance` (measured: `run.conditional_acceptance_by_position`),
+        `lower` (mean (1 - TV) / (1 + TV)) and `upper` (mean 1 - TV); under `pooled`, float [3],
+        the same three over every reached position. Rejection mode's expected acceptance at a
+        reached position is its 1 - TV; gumbel's lies between the two."""
+        reached = self.run.reached
+        lower, upper = (1.0 - self.tv) / (1.0 + self.tv), 1.0 - self.tv
+        cols = (self.run.accepted_at.astype(np.float64), lower, upper)
+        per = [_ratio(np.where(reached, c, 0.0).sum(0), reached.sum(0)) for c in cols]
+        return {
+            "acceptance": per[0],
+            "lower": per[1],
+            "upper": per[2],
+            "pooled": np.array([_ratio(c[reached].sum(), reached.sum()) for c in cols]),
         }
 
 
@@ -369,15 +395,18 @@ _jit_probabilities = jax.jit(probabilities)
 def coupled_generate(
     engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_drafts: int, sampling: Sampling
 ) -> tuple[GenerationResult, np.ndarray, np.ndarray]:
-    """Gumbel speculative sampling of all prompts as one batch (prompt i with `sampling`'s seed +
-    i; temperature 0: greedy), `num_drafts` drafts per verify from the engine's coupled MTP
-    drafter, composed (propose, verify, host acceptance, `Engine.accept`), keeping both laws: the
-    drafter's logits at each drafted position come from a propose of that many drafts (drafts
-    do not depend on how many follow them), the target's from the verify.
+    """Speculative sampling of all prompts as one batch (prompt i with `sampling`'s seed + i;
+    temperature 0: greedy), `num_drafts` drafts per verify from the engine's MTP drafter in the
+    engine's mode (gumbel: the coupled drafter; rejection: its own draws, their laws kept in the
+    pool), composed (propose, verify, host acceptance, `Engine.accept`), keeping both laws: the
+    drafter's logits at each drafted position come from a propose of that many drafts (a draft,
+    keyed by its position, does not depend on how many follow it; the last propose, of all
+    `num_drafts`, leaves the laws the rejection verify reads), the target's from the verify.
 
-    Returns (the result, as `speculative_generate`'s: tokens equal plain sampling's with the
-    same seeds; match bool [N, D] and tv float [N, D] per step row in `StepRecord` order, as
-    `CouplingRun` says). Raises EngineError where the engine cannot draft `num_drafts`."""
+    Returns (the result, as `speculative_generate`'s: in gumbel mode tokens equal plain
+    sampling's with the same seeds; match bool [N, D] and tv float [N, D] per step row in
+    `StepRecord` order, as `CouplingRun` says). Raises EngineError where the engine cannot draft
+    `num_drafts`."""
     each = per_sequence(sampling, len(prompts))
     assert each is not None
     chosen = None if sampling.greedy else each
@@ -439,8 +468,9 @@ class Study:
     """A model under study. Its schedule runs share one speculative engine (`engine`) sized for
     `max_width` sequences of `max_seq_len` tokens with a flat capacity of `max_drafts` drafts per
     slot (so any schedule up to `max_drafts` fits at any width; the schedule decides what is
-    used), and the engine compiles each program once for the whole study. Wall-clock
-    measurements run on `serving` engines instead: a plain serve and one serve per draft count.
+    used), and the engine compiles each program once for the whole study. Sampled runs in
+    rejection mode run on its twin, `serving(max_drafts, "rejection")`. Wall-clock measurements
+    run on `serving` engines instead: a plain serve and one serve per draft count.
     `tokenizer`: the checkpoint's (None when it has none), for `heldout_prompts` and decoding.
     """
 
@@ -458,22 +488,29 @@ class Study:
             raise ValueError("a draft-schedule study needs a model with an MTP head")
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.max_width, self.max_drafts, self.max_seq_len = max_width, max_drafts, max_seq_len
-        self._engines: dict[int | None, Engine] = {}
+        self._engines: dict[tuple[int | None, str], Engine] = {}
 
     @property
     def engine(self) -> Engine:
         """The study's engine: `serving(max_drafts)`."""
         return self.serving(self.max_drafts)
 
-    def serving(self, num_drafts: int | None) -> Engine:
+    def serving(self, num_drafts: int | None, speculative_sampling: str = "gumbel") -> Engine:
         """The engine of a serve of `max_width` slots of `max_seq_len` tokens (f32 KV): plain
-        (None: no drafter) or speculative with K = `num_drafts + 1` verify rows per sequence and
-        a flat capacity (every slot may verify `num_drafts` drafts), built once per value.
+        (None: no drafter; `speculative_sampling` is then moot) or speculative with K =
+        `num_drafts + 1` verify rows per sequence, a flat capacity (every slot may verify
+        `num_drafts` drafts) and sampled steps in `speculative_sampling` mode (gumbel or
+        rejection), built once per (num_drafts, mode). Raises ValueError for another mode.
 
         A ladder schedule runs on it as on a serve with its own ladder: that serve pads every
         verify to the same K; only its verify h rows of the slots the ladder caps, which the
         schedule never uses, are missing there."""
-        if num_drafts not in self._engines:
+        if speculative_sampling not in SPECULATIVE_SAMPLING_MODES:
+            raise ValueError(
+                f"speculative_sampling {speculative_sampling!r} is not one of {SPECULATIVE_SAMPLING_MODES}"
+            )
+        key = (num_drafts, "gumbel" if num_drafts is None else speculative_sampling)
+        if key not in self._engines:
             raw: dict = {
                 "max_batch_size": str(self.max_width),
                 "max_seq_len": self.max_seq_len,
@@ -485,11 +522,10 @@ class Study:
                     "num_drafts": num_drafts,
                     "mtp_max_seqs": self.max_width,
                     "mtp_k_ladder": f"{self.max_width}:{num_drafts}",
+                    "speculative_sampling": speculative_sampling,
                 }
-            self._engines[num_drafts] = Engine(
-                self.cfg, self.params, resolve_settings(raw, None, auto_slots=self.max_width)
-            )
-        return self._engines[num_drafts]
+            self._engines[key] = Engine(self.cfg, self.params, resolve_settings(raw, None, auto_slots=self.max_width))
+        return self._engines[key]
 
     def _groups(self, prompts, max_new_tokens: int, width: int | None):
         width = width or len(prompts)
@@ -553,22 +589,54 @@ class Study:
         num_drafts: int,
         sampling: Sampling,
         width: int | None = None,
+        speculative_sampling: str = "gumbel",
     ) -> CouplingRun:
-        """Gumbel speculative sampling (`coupled_generate`) of `max_new_tokens` per prompt, `width`
-        prompts at a time (default: all), `num_drafts` drafts per verify; prompt i draws with
-        `sampling`'s seed + i whatever its group. Raises ValueError as `run` does."""
+        """Speculative sampling with both laws kept (`coupled_generate`) in `speculative_sampling`
+        mode of `max_new_tokens` per prompt, `width` prompts at a time (default: all), `num_drafts`
+        drafts per verify; prompt i draws with `sampling`'s seed + i whatever its group. Raises
+        ValueError as `run` does, or for another mode."""
         if not 1 <= num_drafts <= self.max_drafts:
             raise ValueError(f"num_drafts {num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
+        engine = self.serving(self.max_drafts, speculative_sampling)
         width, groups = self._groups(prompts, max_new_tokens, width)
         parts, matches, tvs = [], [], []
         for idx in groups:
             first = dataclasses.replace(sampling, seed=sampling.seed + idx[0])
-            res, match, tv = coupled_generate(self.engine, [prompts[i] for i in idx], max_new_tokens, num_drafts, first)
+            res, match, tv = coupled_generate(engine, [prompts[i] for i in idx], max_new_tokens, num_drafts, first)
             parts.append((idx, res))
             matches.append(match)
             tvs.append(tv)
         run = ScheduleRun.from_generations(flat_schedule(num_drafts), width, max_new_tokens, parts)
-        return CouplingRun(sampling, run, np.concatenate(matches), np.concatenate(tvs))
+        return CouplingRun(sampling, run, np.concatenate(matches), np.concatenate(tvs), speculative_sampling)
+
+    def sampled(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        num_drafts: int,
+        sampling: Sampling,
+        speculative_sampling: str = "gumbel",
+        width: int | None = None,
+        fused: bool = True,
+    ) -> ScheduleRun:
+        """Speculative sampling on the engine's own step (`speculative_generate`, `fused` or
+        composed) in `speculative_sampling` mode, on `serving(max_drafts, mode)`, under a flat
+        schedule of `num_drafts`, `width` prompts at a time (default: all); prompt i draws with
+        `sampling`'s seed + i whatever its group (as `coupling`, whose tokens it equals). Raises
+        ValueError as `coupling` does."""
+        if not 1 <= num_drafts <= self.max_drafts:
+            raise ValueError(f"num_drafts {num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
+        engine = self.serving(self.max_drafts, speculative_sampling)
+        schedule = flat_schedule(num_drafts)
+        width, groups = self._groups(prompts, max_new_tokens, width)
+        parts = []
+        for idx in groups:
+            each = [dataclasses.replace(sampling, seed=sampling.seed + i) for i in idx]
+            batch = [prompts[i] for i in idx]
+            parts.append(
+                (idx, speculative_generate(engine, batch, max_new_tokens, schedule, fused=fused, sampling=each))
+            )
+        return ScheduleRun.from_generations(schedule, width, max_new_tokens, parts)
 
     def throughput(
         self,

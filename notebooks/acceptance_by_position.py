@@ -22,11 +22,12 @@
 # * acceptance by draft position (of the drafts verified there), and conditional on reaching it;
 # * how many drafts a verify typically accepts;
 # * that speculative output equals plain greedy output (the engine's invariant);
-# * sampled (gumbel mode: the drafter drafts with the target's Gumbel noise), acceptance by
-#   position and tokens per verify against temperature, and the measured match rate of a draft
+# * sampled, in both speculative sampling modes (gumbel: the drafter drafts with the target's
+#   Gumbel noise; rejection: accept with min(1, p/q), resample the residual), acceptance by
+#   position and tokens per verify against temperature; gumbel's measured match rate of a draft
 #   with the target's draw against the coupling's bounds, (1 - TV)/(1 + TV) below and 1 - TV
-#   above, TV computed from the same logits (the drafter's and the target's filtered laws at each
-#   drafted position).
+#   above, and rejection's measured acceptance against 1 - TV, its expected value, TV computed
+#   from the same logits (the drafter's and the target's filtered laws at each drafted position).
 #
 # Fast mode (`METRALE_NOTEBOOK_FAST=1`, what CI runs) uses a handful of prompts; unset it for the
 # full numbers. Figures go to `$METRALE_NOTEBOOK_OUT` (default `figures/`).
@@ -85,39 +86,74 @@ ax2.set(
     ylabel="fraction of verifies",
     title=f"mean accepted length {summary['mean_accepted_length']:.2f} tokens",
 )
+fig.suptitle(f"measured on {research.machine_label()}", fontsize=8)
 fig.tight_layout()
 fig.savefig(OUT / "acceptance_by_position.png", dpi=120)
 
 # %% [markdown]
-# ## Sampled: gumbel speculative sampling against temperature
+# ## Sampled: speculative sampling against temperature, both modes
 #
-# Top-p 0.9, prompt *i* seeded 7 + *i*. Each verify draws the target's token at each position as
-# argmax(logits / T + g) over the top-p set, with g the Gumbel noise of (seed, position); the
-# drafter drafts with its own logits and the same g. A draft is accepted while it equals the
-# target's draw, so the output is plain sampling's whatever the drafter (checked below), and the
-# match probability at a drafted position is at least (1 - TV)/(1 + TV) of the two filtered laws
-# there (Daliri, Musco and Suresh 2024); no coupling does better than 1 - TV. Temperature 0 is
-# greedy: both laws are one-hot, TV is 0 or 1 and the bounds meet the match exactly.
+# Top-p 0.9, prompt *i* seeded 7 + *i*, the same prompts and drafts per verify as above, in the
+# engine's two speculative sampling modes:
+#
+# * **gumbel** (the default): each verify draws the target's token at each position as
+#   argmax(logits / T + g) over the top-p set, with g the Gumbel noise of (seed, position); the
+#   drafter drafts with its own logits and the same g. A draft is accepted while it equals the
+#   target's draw, so the output is plain sampling's whatever the drafter (checked below), and the
+#   match probability at a drafted position is at least (1 - TV)/(1 + TV) of the two filtered laws
+#   there (Daliri, Musco and Suresh 2024); no coupling does better than 1 - TV.
+# * **rejection** (Leviathan et al. 2023, Chen et al. 2023): the drafter draws its drafts from its
+#   own law q with its own keys; the verify accepts draft x with probability min(1, p(x)/q(x)),
+#   resamples from the normalised residual max(0, p - q) at the first rejection, and draws a bonus
+#   token from p after a full accept. The output follows plain sampling's *law*, not its tokens.
+#   At a reached draft position the expected acceptance IS 1 - TV(p, q) there (the sum over x of
+#   min(p(x), q(x))), so its measured acceptance over the reached positions is compared with the
+#   mean 1 - TV over those same positions: TV computed on the rejection run's own positions, from
+#   its own drafter and target logits (not the gumbel run's, which drafts a different sample of
+#   positions). The table also gives gumbel's acceptance over its reached positions against the
+#   bounds there, the same footing as rejection's.
+#
+# Both runs keep the two laws at every drafted position (`research.coupled_generate`: the composed
+# step, one propose per draft count for the drafter's logits). The rejection run is checked to emit
+# the tokens of the engine's fused step in the same mode (`Study.sampled`). Temperature 0 is greedy
+# in both modes (both laws one-hot, TV 0 or 1, the bounds meet the match): one run serves both.
 
 # %%
 from metrale_jax.engine.sampling import Sampling  # noqa: E402
 from metrale_jax.engine.speculative import greedy_generate  # noqa: E402
 
 TEMPERATURES = (0.0, 0.7) if FAST else (0.0, 0.3, 0.7, 1.0)
-coupled = {
-    t: study.coupling(prompts, NEW_TOKENS, NUM_DRAFTS, Sampling(temperature=t, top_p=0.9, seed=7), width=WIDTH)
-    for t in TEMPERATURES
-}
-for t, c in coupled.items():
-    b, sm = c.bounds(), c.run.summary()
-    print(
-        f"T {t:.1f}: tokens/verify/seq {sm['mean_accepted_length']:.3f}, acceptance by position "
-        f"{np.round(sm['acceptance_by_position'], 3)}; match {b['pooled'][0]:.3f} vs (1-TV)/(1+TV) "
-        f"{b['pooled'][1]:.3f} and 1-TV {b['pooled'][2]:.3f} over {c.match.size} drafted positions"
-    )
+MODES = ("gumbel", "rejection")
+MACHINE = research.machine_label()
+coupled: dict[tuple[str, float], research.CouplingRun] = {}
+for mode in MODES:
+    for t in TEMPERATURES:
+        if t == 0 and mode != MODES[0]:
+            coupled[mode, t] = coupled[MODES[0], t]  # greedy: the same run in either mode
+            continue
+        smp = Sampling(temperature=t, top_p=0.9, seed=7)
+        coupled[mode, t] = study.coupling(prompts, NEW_TOKENS, NUM_DRAFTS, smp, width=WIDTH, speculative_sampling=mode)
+print(MACHINE)
+print(f"{NUM_DRAFTS} drafts, top-p 0.9, {len(prompts)} prompts x {NEW_TOKENS} tokens, width {WIDTH}")
+print("    T  mode       tokens/verify  acceptance by position     measured vs bounds (pooled over positions)")
+for t in TEMPERATURES:
+    for mode in MODES:
+        c = coupled[mode, t]
+        sm, b, r = c.run.summary(), c.bounds(), c.reached_bounds()
+        vs = f"{c.run.reached.sum()} reached: acceptance {r['pooled'][0]:.3f} vs 1-TV {r['pooled'][2]:.3f}"
+        if mode == "gumbel":
+            vs += (
+                f", (1-TV)/(1+TV) {r['pooled'][1]:.3f}; {c.match.size} drafted: match {b['pooled'][0]:.3f} "
+                f"vs (1-TV)/(1+TV) {b['pooled'][1]:.3f}, 1-TV {b['pooled'][2]:.3f}"
+            )
+        print(
+            f"  {t:.1f}  {mode:<9}  {sm['mean_accepted_length']:13.3f}  "
+            f"{np.array2string(sm['acceptance_by_position'], precision=3):<25}  {vs}"
+        )
 
 # %% [markdown]
-# Gumbel speculative sampling must emit exactly what plain sampling emits with the same seeds.
+# Gumbel speculative sampling must emit exactly what plain sampling emits with the same seeds; the
+# rejection run's composed loop must emit what the engine's fused step emits in rejection mode.
 
 # %%
 t_check = TEMPERATURES[-1]
@@ -130,26 +166,43 @@ for g in range(0, len(prompts), WIDTH):
         NEW_TOKENS,
         sampling=[Sampling(temperature=t_check, top_p=0.9, seed=7 + g + i) for i in range(len(group))],
     )
-assert coupled[t_check].run.tokens == plain, "gumbel speculative sampling differs from plain sampling"
-print(f"speculative == plain sampling at T {t_check} for all", len(prompts), "prompts")
+assert coupled["gumbel", t_check].run.tokens == plain, "gumbel speculative sampling differs from plain sampling"
+print(f"gumbel speculative == plain sampling at T {t_check} for all", len(prompts), "prompts")
+fused = study.sampled(
+    prompts, NEW_TOKENS, NUM_DRAFTS, Sampling(temperature=t_check, top_p=0.9, seed=7), "rejection", WIDTH
+)
+assert coupled["rejection", t_check].run.tokens == fused.tokens, "the rejection run differs from the fused step"
+print(f"rejection: composed loop == fused step at T {t_check} for all", len(prompts), "prompts")
 
 # %%
-fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 3.8))
-for t, c in coupled.items():
-    ax1.plot(pos, c.run.acceptance_by_position(), marker="o", label=f"T {t:g}")
+STYLE = {"gumbel": "-", "rejection": "--"}
+fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.4))
+colors = {t: f"C{i}" for i, t in enumerate(TEMPERATURES)}
+for (mode, t), c in coupled.items():
+    if t == 0 and mode != MODES[0]:
+        continue
+    label = f"T {t:g}" + (" (greedy, both modes)" if t == 0 else f", {mode}")
+    ax1.plot(pos, c.run.acceptance_by_position(), STYLE[mode], color=colors[t], marker="o", label=label)
 ax1.set(
     xlabel="draft position", ylabel="acceptance", ylim=(0, 1), xticks=pos, title="acceptance by position, top-p 0.9"
 )
-ax1.legend(fontsize=8)
-ts = list(coupled)
-ax2.plot(ts, [coupled[t].run.summary()["mean_accepted_length"] for t in ts], marker="o")
+ax1.legend(fontsize=7, title="solid: gumbel, dashed: rejection", title_fontsize=7)
+ts = list(TEMPERATURES)
+for mode in MODES:
+    ax2.plot(
+        ts, [coupled[mode, t].run.summary()["mean_accepted_length"] for t in ts], STYLE[mode], marker="o", label=mode
+    )
 ax2.set(xlabel="temperature", ylabel="tokens per verify per sequence", title=f"tokens per step ({NUM_DRAFTS} drafts)")
-pooled = np.array([coupled[t].bounds()["pooled"] for t in ts])
-ax3.plot(ts, pooled[:, 0], marker="o", label="measured match rate")
-ax3.plot(ts, pooled[:, 1], ls="--", label="(1 - TV)/(1 + TV), same logits")
-ax3.plot(ts, pooled[:, 2], ls=":", label="1 - TV")
-ax3.set(xlabel="temperature", ylabel="P(draft = target's draw)", ylim=(0, 1), title="match vs the coupling's bounds")
-ax3.legend(fontsize=8)
+ax2.legend(fontsize=8, title="solid: gumbel, dashed: rejection", title_fontsize=7)
+gb = np.array([coupled["gumbel", t].bounds()["pooled"] for t in ts])
+rb = np.array([coupled["rejection", t].reached_bounds()["pooled"] for t in ts])
+ax3.plot(ts, gb[:, 0], "-", color="C0", marker="o", label="gumbel: match rate, all drafted positions")
+ax3.fill_between(ts, gb[:, 1], gb[:, 2], color="C0", alpha=0.2, label="gumbel: [(1-TV)/(1+TV), 1-TV] there")
+ax3.plot(ts, rb[:, 0], "--", color="C1", marker="s", label="rejection: acceptance, reached positions")
+ax3.plot(ts, rb[:, 2], ":", color="C1", label="rejection: 1-TV there (its expected acceptance)")
+ax3.set(xlabel="temperature", ylabel="P(draft accepted)", ylim=(0, 1), title="measured vs bounds, same logits")
+ax3.legend(fontsize=7)
+fig.suptitle(f"measured on {MACHINE}\n{len(prompts)} held-out prompts x {NEW_TOKENS} tokens, width {WIDTH}", fontsize=8)
 fig.tight_layout()
 fig.savefig(OUT / "acceptance_vs_temperature.png", dpi=120)
 

@@ -190,3 +190,31 @@ def test_coupling_run_matches_plain_sampling_and_its_bounds(tiny):
             rate, lower, upper = b["pooled"]
             se = np.sqrt(max(lower * (1 - lower), 0.05) / c.match.size)
             assert lower - 4 * se <= rate <= upper + 4 * se, b
+
+
+def test_rejection_coupling_run_is_the_engines_step_and_accepts_at_one_minus_tv(tiny):
+    """Rejection speculative sampling with both laws kept (tiny model, two prompts): its composed
+    loop emits the tokens of the engine's fused step in the same mode (`Study.sampled`, same
+    seeds), which differ from gumbel's; a draft's match is its acceptance; over the reached
+    positions the acceptance lies within four standard errors of mean 1 - TV there (its expected
+    value). Gumbel's `sampled` run emits plain sampling's tokens."""
+    cfg, params = tiny
+    study = research.Study(cfg, params, max_width=2, max_drafts=2, max_seq_len=64)
+    prompts = [[int(x) for x in np.random.default_rng(4).integers(0, 256, size=n)] for n in (9, 5)]
+    sampling = Sampling(temperature=1.0, top_p=0.9, seed=3)
+    c = study.coupling(prompts, 16, 2, sampling, speculative_sampling="rejection")
+    assert c.speculative_sampling == "rejection" and study.serving(2, "rejection").counts.rejection
+    fused = study.sampled(prompts, 16, 2, sampling, "rejection")
+    assert fused.tokens == c.run.tokens and fused.schedule.num_drafts == 2
+    np.testing.assert_array_equal(c.match, c.run.accepted_at)
+    gumbel = study.sampled(prompts, 16, 2, sampling)
+    assert gumbel.tokens == greedy_generate(study.engine, prompts, 16, sampling=per_sequence(sampling, 2))
+    assert gumbel.tokens != c.run.tokens
+    b = c.reached_bounds()
+    chex.assert_shape([b["acceptance"], b["lower"], b["upper"]], (2,))
+    rate, lower, upper = b["pooled"]
+    assert lower <= upper and rate == pytest.approx(c.run.accepted_at.sum() / c.run.reached.sum())
+    se = np.sqrt(max(upper * (1 - upper), 0.05) / c.run.reached.sum())
+    assert upper - 4 * se <= rate <= upper + 4 * se, b
+    with pytest.raises(ValueError, match="speculative_sampling"):
+        study.serving(2, "typical")
