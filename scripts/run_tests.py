@@ -8,8 +8,9 @@ tests of the suite one process died in an XLA compile (SIGABRT, no message) late
 tests that pass alone. A module's process starts with nothing a previous module compiled, so each
 module's cost is bounded by itself.
 
-Usage: `python scripts/run_tests.py [--jobs N] [--slowest N] [PYTEST ARGS ...]`; every argument the
-runner does not own goes to each pytest process (`-m "not slow"`, `-k ...`, `-x` per module).
+Usage: `python scripts/run_tests.py [--jobs N] [--slowest N] [PATH ...] [PYTEST ARGS ...]`: a PATH (a test
+file or a folder of them) narrows the modules run (default: every tests/test_*.py); every other
+argument goes to each pytest process (`-m "not slow"`, `-k ...`, `-x` per module).
 
 Invariants:
 - every tests/test_*.py runs exactly once, in its own process; the largest files start first
@@ -64,9 +65,13 @@ class Outcome:
         return f"{verdict} {self.module.name:<40} {last} [{self.seconds:.0f} s, peak {self.peak_mib:,.0f} MiB]"
 
 
-def modules() -> list[Path]:
-    """Every test module, largest file first."""
-    return sorted(TESTS.glob("test_*.py"), key=lambda p: (-p.stat().st_size, p.name))
+def modules(paths: list[Path] | None = None) -> list[Path]:
+    """The test modules in `paths` (files, or folders' test_*.py; default: every one in TESTS), each
+    once, largest file first."""
+    found: set[Path] = set()
+    for p in paths or [TESTS]:
+        found |= set(p.glob("test_*.py")) if p.is_dir() else {p}
+    return sorted((p.resolve() for p in found), key=lambda p: (-p.stat().st_size, p.name))
 
 
 def default_jobs() -> int:
@@ -134,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=default_jobs(), help="modules at a time (default: %(default)s)")
     ap.add_argument("--slowest", type=int, default=20, help="list the N slowest tests (default: %(default)s)")
-    args, pytest_args = ap.parse_known_args(argv)
+    args, rest = ap.parse_known_args(argv)
     if args.jobs < 1 or args.slowest < 0:
         ap.error("--jobs must be >= 1 and --slowest >= 0")
+    paths = [Path(a) for a in rest if not a.startswith("-") and Path(a).exists()]
+    pytest_args = [a for a in rest if a not in {str(p) for p in paths}]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="metrale-tests-") as tmp:
-        outcomes = run(modules(), args.jobs, pytest_args, Path(tmp))
+        outcomes = run(modules(paths), args.jobs, pytest_args, Path(tmp))
         counts = totals(outcomes)
         if args.slowest:
             print(f"\nslowest {args.slowest} tests (setup + call + teardown):")

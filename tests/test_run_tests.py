@@ -55,3 +55,11 @@ def test_a_module_with_no_selected_test_passes(runner, tmp_path, capsys):
     _write(tmp_path, "test_only.py", "def test_one():\n    pass\n")
     assert runner.main(["--slowest", "0", "-k", "nothing_matches"]) == 0
     assert "0 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_paths_narrow_the_modules_and_are_not_passed_to_pytest(runner, tmp_path, capsys):
+    _write(tmp_path, "test_one.py", "def test_one():\n    pass\n")
+    _write(tmp_path, "test_two.py", "def test_two():\n    pass\n")
+    assert runner.main(["--slowest", "0", str(tmp_path / "test_two.py")]) == 0
+    out = capsys.readouterr().out
+    assert "1 modules" in out and "1 passed" in out and "test_one.py" not in out
