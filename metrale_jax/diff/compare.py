@@ -163,7 +163,7 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
     absd[neq & ~np.isfinite(absd)] = np.inf
     absd[~neq] = 0.0
     out.max_abs = float(absd.max())
-    ulp = None if ints else np.abs(_ordered(ua, a.dtype.itemsize) - _ordered(ub, a.dtype.itemsize))
+    ulp = None if ints else ulp_distance(a2, b2)
     if ulp is not None:
         out.max_ulp = int(ulp.max())
     am_a = am_b = None
