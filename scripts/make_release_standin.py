@@ -17,7 +17,10 @@ The folder (default ``~/.cache/metrale-jax/standins/qwen3.5-0.8b``, outside the 
 * ``tokenizer.json`` + ``tokenizer_config.json``: a Qwen2-style byte-level BPE (a small trained
                              vocabulary padded with unreachable entries) with Qwen's added tokens at
                              the released ids (``<|endoftext|>`` 248044, ``<|im_end|>`` 248046, ...)
-                             and the fixtures' ChatML template (``scripts/make_tokenizer_fixtures.py``).
+                             and the fixtures' ChatML template (``scripts/make_tokenizer_fixtures.py``);
+* ``hf_reference.json``      AutoTokenizer's ids for 1,200 strings and ``apply_chat_template``'s text and
+                             ids (which ``tests/test_tokenizers.py`` and ``tests/test_chat_template.py``
+                             check the engine's tokenizer and template against, where the folder exists).
 
 Invariants: the weights are transformers' own initialisation of that config (seeded: the same
 folder on every run), drawn in bf16; the ``mtp.*`` tensors (which ``save_pretrained`` never writes)
@@ -43,7 +46,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from make_tokenizer_fixtures import build_bpe, training_corpus, write_tokenizer  # noqa: E402  (this folder)
+from make_tokenizer_fixtures import build_bpe, training_corpus, write_hf_reference, write_tokenizer  # noqa: E402  (this folder)
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
 
@@ -240,6 +243,7 @@ def main(argv=None) -> int:
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     total = write_shards(tensors, tmp)
     write_tokenizer(tmp, released_tokenizer())
+    write_hf_reference(tmp)
     write_json(tmp / "generation_config.json", {**GENERATION_CONFIG, "transformers_version": transformers.__version__})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -296,6 +296,15 @@ def hf_reference(folder: Path, n_strings: int, seed: int) -> dict:
     }
 
 
+def write_hf_reference(folder: Path) -> dict:
+    """`hf_reference` for the tokenizer in `folder` (1,200 strings), written as its `hf_reference.json`."""
+    ref = hf_reference(folder, 1200, seed=1)
+    with open(folder / "hf_reference.json", "w") as f:
+        json.dump(ref, f, ensure_ascii=False, separators=(",", ":"))
+        f.write("\n")
+    return ref
+
+
 def chat_golden(folder: Path, max_new_tokens: int) -> dict:
     """HF's greedy generate (float32, eager) on the model fixture in `folder` from rendered chat
     prompts: the first system prompt of a fixed list whose output stops at an EOS id before
@@ -334,10 +343,7 @@ def main(argv=None) -> int:
     byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok = build_bpe(training_corpus(np.random.default_rng(0), None), 800, byte_alphabet)
     write_tokenizer(args.out, tok)
-    ref = hf_reference(args.out, 1200, seed=1)
-    with open(args.out / "hf_reference.json", "w") as f:
-        json.dump(ref, f, ensure_ascii=False, separators=(",", ":"))
-        f.write("\n")
+    ref = write_hf_reference(args.out)
     print(f"{args.out}: {len(ref['strings'])} strings, {len(ref['chats'])} chats ({ref['tokenizer_class']})")
 
     if not args.no_chat_model:

@@ -3,25 +3,24 @@ scripts/make_tokenizer_fixtures.py in the HF venv), its sources and its one-line
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
+from tokenizer_references import QWEN_BPE, reference, reference_folders
 
 from metrale_jax.chat_template import ChatTemplateError, chat_messages, load_chat_template
 from metrale_jax.tokenizer import load_tokenizer
 
-QWEN_BPE = Path(__file__).parent / "fixtures" / "tokenizers" / "qwen_bpe"
-REF = json.loads((QWEN_BPE / "hf_reference.json").read_text())
+REF = reference(QWEN_BPE)
 
 
-@pytest.mark.parametrize("i", range(len(REF["chats"])))
-def test_text_and_ids_equal_transformers(i):
-    chat = REF["chats"][i]
-    text = load_chat_template(str(QWEN_BPE)).render(chat["messages"], **chat["kwargs"])
-    assert text == chat["text"]
-    assert load_tokenizer(str(QWEN_BPE)).encode(text) == chat["ids"]
+@pytest.mark.parametrize("folder", reference_folders())
+def test_text_and_ids_equal_transformers(folder):
+    chats = reference(folder)["chats"]
+    template, tok = load_chat_template(str(folder)), load_tokenizer(str(folder))
+    wrong = [c for c in chats if template.render(c["messages"], **c["kwargs"]) != c["text"]]
+    assert not wrong, wrong[0]
+    assert [tok.encode(c["text"]) for c in chats] == [c["ids"] for c in chats]
 
 
 def test_the_recorded_chats_cover_thinking_on_and_off_and_every_role():

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tokenizer_references import QWEN_BPE, reference, reference_folders
 
 from metrale_jax.tokenizer import (
     ByteTokenizer,
@@ -19,20 +20,20 @@ from metrale_jax.tokenizer import (
     tokenizer_for,
 )
 
-QWEN_BPE = Path(__file__).parent / "fixtures" / "tokenizers" / "qwen_bpe"
 CHAT_MODEL = Path(__file__).parent / "fixtures" / "hf" / "qwen3_5_dense"
-REF = json.loads((QWEN_BPE / "hf_reference.json").read_text())
 
 
-def test_ids_equal_autotokenizer_on_1200_strings():
-    tok = load_tokenizer(str(QWEN_BPE))
-    assert isinstance(tok, HFTokenizer) and REF["tokenizer_class"] == "Qwen2Tokenizer"
-    assert len(REF["strings"]) >= 1000
-    kinds = "".join(REF["strings"])
+@pytest.mark.parametrize("folder", reference_folders())
+def test_ids_equal_autotokenizer_on_1200_strings(folder):
+    ref = reference(folder)
+    tok = load_tokenizer(str(folder))
+    assert isinstance(tok, HFTokenizer) and ref["tokenizer_class"] in ("Qwen2Tokenizer", "Qwen3_5Tokenizer")
+    assert len(ref["strings"]) >= 1000
+    kinds = "".join(ref["strings"])
     assert all(s in kinds for s in ("<|im_start|>", "</think>", "\t", "\r\n", "   ", "日本", "😀", "def "))
-    wrong = [(s, ids) for s, ids in zip(REF["strings"], REF["ids"]) if tok.encode(s) != ids]
+    wrong = [(s, ids) for s, ids in zip(ref["strings"], ref["ids"]) if tok.encode(s) != ids]
     assert not wrong, wrong[:3]
-    for s in REF["strings"]:
+    for s in ref["strings"]:
         assert tok.decode(tok.encode(s)) == tok._normalised(s)
 
 
