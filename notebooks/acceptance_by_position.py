@@ -27,7 +27,9 @@
 #   position and tokens per verify against temperature; gumbel's measured match rate of a draft
 #   with the target's draw against the coupling's bounds, (1 - TV)/(1 + TV) below and 1 - TV
 #   above, and rejection's measured acceptance against 1 - TV, its expected value, TV computed
-#   from the same logits (the drafter's and the target's filtered laws at each drafted position).
+#   from the same logits (the drafter's and the target's filtered laws at each drafted position);
+#   and the measured wall-clock speed-up of speculative over plain sampling in each mode, next to
+#   greedy's.
 #
 # Fast mode (`METRALE_NOTEBOOK_FAST=1`, what CI runs) uses a handful of prompts; unset it for the
 # full numbers. Figures go to `$METRALE_NOTEBOOK_OUT` (default `figures/`).
@@ -174,9 +176,38 @@ fused = study.sampled(
 assert coupled["rejection", t_check].run.tokens == fused.tokens, "the rejection run differs from the fused step"
 print(f"rejection: composed loop == fused step at T {t_check} for all", len(prompts), "prompts")
 
+# %% [markdown]
+# What it buys in time: the steady-state wall-clock speed-up of speculative sampling over plain
+# sampling with the same seeds (`Study.throughput`: the fused step, runs alternated, medians), in
+# each mode, at width 1 and at the width above; temperature 0 is greedy speculative over greedy
+# decoding (one run for both modes).
+
+# %%
+SPEED_WIDTHS, SPEED_REPEATS = ((1,), 1) if FAST else ((1, WIDTH), 5)
+schedule = {f"flat {NUM_DRAFTS}": research.flat_schedule(NUM_DRAFTS)}
+speed: dict[tuple[str, float], list[research.Throughput]] = {}
+for mode in MODES:
+    for t in TEMPERATURES:
+        if t == 0 and mode != MODES[0]:
+            speed[mode, t] = speed[MODES[0], t]
+            continue
+        smp = None if t == 0 else Sampling(temperature=t, top_p=0.9, seed=7)
+        speed[mode, t] = study.throughput(
+            prompts, NEW_TOKENS, schedule, SPEED_WIDTHS, repeats=SPEED_REPEATS, sampling=smp, speculative_sampling=mode
+        )
+print(f"speculative / plain tokens/s, {NUM_DRAFTS} drafts, fused, median of {SPEED_REPEATS} alternated runs")
+for t in TEMPERATURES:
+    for mode in MODES:
+        cells = ", ".join(
+            f"width {x.width}: {x.speculative_tokens_per_second:.0f} / {x.plain_tokens_per_second:.0f} = "
+            f"{x.speedup:.2f}x"
+            for x in speed[mode, t]
+        )
+        print(f"  T {t:.1f}  {mode:<9}  {cells}")
+
 # %%
 STYLE = {"gumbel": "-", "rejection": "--"}
-fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.4))
+fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(20, 4.4))
 colors = {t: f"C{i}" for i, t in enumerate(TEMPERATURES)}
 for (mode, t), c in coupled.items():
     if t == 0 and mode != MODES[0]:
@@ -202,6 +233,23 @@ ax3.plot(ts, rb[:, 0], "--", color="C1", marker="s", label="rejection: acceptanc
 ax3.plot(ts, rb[:, 2], ":", color="C1", label="rejection: 1-TV there (its expected acceptance)")
 ax3.set(xlabel="temperature", ylabel="P(draft accepted)", ylim=(0, 1), title="measured vs bounds, same logits")
 ax3.legend(fontsize=7)
+for mode in MODES:
+    for i, w in enumerate(SPEED_WIDTHS):
+        ax4.plot(
+            ts,
+            [speed[mode, t][i].speedup for t in ts],
+            STYLE[mode],
+            color=f"C{i}",
+            marker="o",
+            label=f"{mode}, width {w}",
+        )
+ax4.axhline(1.0, color="grey", lw=0.8)
+ax4.set(
+    xlabel="temperature (0: greedy)",
+    ylabel="speculative / plain tokens per second",
+    title=f"measured speed-up over plain sampling, fused, median of {SPEED_REPEATS}",
+)
+ax4.legend(fontsize=7)
 fig.suptitle(f"measured on {MACHINE}\n{len(prompts)} held-out prompts x {NEW_TOKENS} tokens, width {WIDTH}", fontsize=8)
 fig.tight_layout()
 fig.savefig(OUT / "acceptance_vs_temperature.png", dpi=120)

@@ -93,7 +93,7 @@ for r in rows:
     t = measured[r["label"], r["width"]]
     print(
         f"{r['label']:>10} {r['width']:>5} {r['mean_drafted']:>13.2f} {r['mean_accepted_length']:>11.3f} "
-        f"{r['tokens_per_verify_row']:>10.3f} {t.greedy_tokens_per_second:>12.0f} "
+        f"{r['tokens_per_verify_row']:>10.3f} {t.plain_tokens_per_second:>12.0f} "
         f"{t.speculative_tokens_per_second:>10.0f} {t.speedup:>8.3f} {modelled_speedup(r):>8.3f}"
     )
 
