@@ -118,9 +118,9 @@ def test_gumbel_with_prefix_cache_emits_plain_samplings_tokens_without_it(cached
             got = _conversations(
                 cached,
                 3,
-                lambda e, ps, p=p, f=fused: speculative_generate(
-                    e, ps, 10, DraftSchedule(num_drafts), fused=f, sampling=p
-                ).tokens,
+                lambda e, ps, p=p, f=fused: (
+                    speculative_generate(e, ps, 10, DraftSchedule(num_drafts), fused=f, sampling=p).tokens
+                ),
             )
             assert got == plain, (t, fused)
             assert cached.blocks.prefix.hits - hits >= 5, "the conversations restore cached prefixes"
@@ -213,7 +213,7 @@ def wide():
 
 
 def test_plain_sampling_at_a_hidden_width_draws_by_seed_in_any_slot_and_width(wide):
-    """At hidden 512 (products through the rows kernel at 2-32 rows, XLA's dot at one): the same
+    """At hidden 512 (products of 256 KiB and more, whose path follows the row count): the same
     seeds give the same tokens alone and among 8 sequences in other slots, plain and speculative
     (composed and fused); other seeds give other tokens."""
     alone = wide_alone(wide, None)
@@ -239,7 +239,8 @@ def test_plain_sampling_is_the_same_in_another_process(tiny, model):
     eng = Engine(cfg, params, settings(max_batch_size=2, max_seq_len=64))
     here = wide_alone(eng, None)
     code = (
-        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import conftest, test_sampling_paths as t; "
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import conftest, test_sampling_paths as t; "
         f"m = {model!r}; cfg, params = conftest.resolve_checkpoint(m) if m == 'tiny' else t.wide_model(); "
         "eng = t.Engine(cfg, params, conftest.settings(max_batch_size=2, max_seq_len=64)); "
         "print(json.dumps(t.wide_alone(eng, None)))"
