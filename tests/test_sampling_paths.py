@@ -172,6 +172,7 @@ def test_gumbel_on_small_with_a_restore_and_a_swap_accepts_drafts_and_emits_plai
             result, _ = swapped_generate(eng, prompts, 32, 3, p, fused=fused, swap_before=(2, 4), namespace=ns)
             assert result.tokens == ref, (t, fused)
             assert eng.blocks.prefix.hits - hits >= 2, "both requests restore the primed prefix"
+            print(f"small T {t} fused {fused}: {_accepted(result)} drafts accepted in {len(result.steps)} steps")
             assert _accepted(result) > 0, "the trained drafter's drafts are accepted"
 
 
