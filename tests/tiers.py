@@ -133,6 +133,13 @@ RULES: tuple[Rule, ...] = (
         ),
         uses=("eng", "rejection_eng", "law_eng"),
     ),
+    Rule(
+        "test_sampling_paths.py",
+        SLOW,
+        only=("test_plain_sampling_is_the_same_in_another_process",),
+        uses=("cached", "uncached", "small_cached", "wide"),
+    ),
+    Rule("test_sampling_paths.py", SUBPROCESS, only=("test_plain_sampling_is_the_same_in_another_process",)),
     Rule("test_sharding_lowering.py", SLOW),
     Rule(
         "test_sharding.py",
