@@ -22,8 +22,8 @@ NOTE: the unrolled tree. A contraction of a power-of-two length n <= `UNROLLED_M
 node(l, i) = node(l - 1, i) + node(l - 1, i + n >> l) over leaves a[.., i, ..] * b[.., i, ..] (the operands' slices
 at index i, broadcast to the output): the very adds of `pairwise_sum`'s first-half + second-half tree, so the same
 bits, but XLA fuses the whole tree into one loop that keeps the partial sums in registers, where the broadcast
-product summed by `pairwise_sum` was materialised (n times the output) and read back level by level: the 45 M
-prefill's attention over 1024 keys ran ~8x quicker. Other lengths (zero-padded by `pairwise_sum`) keep the
+product summed by `pairwise_sum` is materialised (n times the output) and read back level by level (BUILD_NOTES has
+the long prefill's attention before and after). Other lengths (zero-padded by `pairwise_sum`) keep the
 materialised product.
 """
 
