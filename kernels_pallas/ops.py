@@ -124,8 +124,32 @@ class InvariantOps(ReferenceOps):
         return gdn_ref.recurrent_gated_delta_rule(q, k, v, g, beta, h0, invariant=True)
 
     def attention(self, q, k_cache, v_cache, block_tables, positions, scale: float, layer=None) -> jax.Array:
-        """`Ops.attention`: the paged walk with `invariant_einsum` scores and PV."""
-        return attn_ref.paged_attention(q, k_cache, v_cache, block_tables, positions, scale, layer, invariant=True)
+        """`Ops.attention`: the paged walk with `invariant_einsum` scores and PV, in blocks of at most
+        `INVARIANT_QUERY_BLOCK` query tokens, each walking the key tiles up to its own last position.
+
+        NOTE: a row's result does not depend on the rows walked with it, nor on the key tiles past its own
+        position that its walk visits (a masked tile adds exact zeros: the contract's decode at position p walks
+        to p's tile, the same row in a prefill to the prompt's last), so blocks of a long prefill give the one
+        walk's bits while the tiles walked grow as a triangle rather than the square (half the work at 1024)."""
+        t = q.shape[1]
+        outs = [
+            attn_ref.paged_attention(
+                q[:, i : i + INVARIANT_QUERY_BLOCK],
+                k_cache,
+                v_cache,
+                block_tables,
+                positions[:, i : i + INVARIANT_QUERY_BLOCK],
+                scale,
+                layer,
+                invariant=True,
+            )
+            for i in range(0, t, INVARIANT_QUERY_BLOCK)
+        ]
+        return outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs, axis=1)
+
+
+#: Query tokens per block of the batch-invariant attention (`InvariantOps.attention`): one key tile.
+INVARIANT_QUERY_BLOCK = attn_ref.TILE_KEYS
 
 
 _REFUSALS: dict[tuple[str, str], None] = {}  # (op, reason), insertion-ordered

@@ -29,13 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from batch_invariant_einsum import CASES as EINSUM_CASES
+from batch_invariant_einsum import case_name
 from conftest import settings
 from diff_mutants import SUB_BOUND_MUTANTS
 
 from kernels_cpu.rows_matmul.api import kernel_unavailable, rows_matmul_invariant
 from kernels_pallas.invariant import invariant_einsum
 from kernels_pallas.ops import InvariantOps, ReferenceOps
-from kernels_pallas.reductions import pairwise_sum
 from metrale_jax.engine.engine import Engine, make_ops
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.settings import unsupported
@@ -93,35 +94,38 @@ def test_invariant_einsum_matches_einsum_and_ignores_the_rows_around():
         invariant_einsum("ab,bc->a", s[0, 0], k[0])
 
 
-@pytest.mark.parametrize(
-    "spec, a_shape, b_shape, in_place",
-    [
-        ("bhkv,bhk->bhv", (8, 3, 16, 12), (8, 3, 16), True),  # the GDN state read by a key
-        ("bgmd,bgsd->bgms", (2, 2, 8, 16), (2, 2, 64, 16), False),  # attention scores: d is both operands' minor
-        ("bgms,bgsd->bgmd", (2, 2, 8, 64), (2, 2, 64, 16), True),  # attention PV over a value tile
-    ],
-)
-def test_invariant_einsum_keeps_the_larger_operand_in_place_and_sums_over_a_non_minor_axis(
-    spec, a_shape, b_shape, in_place
+@pytest.mark.parametrize("spec, a_shape, b_shape", EINSUM_CASES)
+def test_invariant_einsum_keeps_the_larger_operand_in_place_and_never_materialises_an_unrolled_product(
+    spec, a_shape, b_shape
 ):
-    """No transpose of the larger operand (the GDN state, a value tile) unless the summed index is its minor
-    axis, the sum tree's slices cut an axis other than the minor one, and the bits are those of the index
-    summed last."""
+    """No transpose of the larger operand (the GDN state, a value tile) unless the summed index is the minor
+    axis of both operands; a power-of-two length is the unrolled tree (no value of the product's size: n times
+    the output), any other the materialised product whose sum tree's slices cut an axis other than the minor
+    one. (The bits: `test_invariant_einsum_bits_are_the_materialised_trees`.)"""
     a = jax.random.normal(jax.random.key(4), a_shape, jnp.float32)
     b = jax.random.normal(jax.random.key(5), b_shape, jnp.float32)
     larger = a if a.size >= b.size else b
+    inputs, out = spec.split("->")
+    summed = next(c for c in inputs if c not in out and c != ",")
+    in_place = not all(labels.endswith(summed) for labels in inputs.split(","))
+    n = a_shape[inputs.index(summed)]
+    unrolled = n & (n - 1) == 0
     jaxpr = jax.make_jaxpr(lambda a, b: invariant_einsum(spec, a, b))(a, b).jaxpr
+    out_size = int(np.prod(jaxpr.outvars[0].aval.shape))
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "transpose" and in_place:
             assert eqn.invars[0].aval.shape != larger.shape, spec
-        if eqn.primitive.name == "slice":
+        if unrolled:
+            assert all(int(np.prod(v.aval.shape)) < n * out_size for v in eqn.outvars), (spec, eqn)
+        elif eqn.primitive.name == "slice":
             rank = len(eqn.invars[0].aval.shape)
             assert eqn.params["limit_indices"][rank - 1] == eqn.invars[0].aval.shape[rank - 1], spec
-    inputs, out = spec.split("->")
-    summed = next(c for c in inputs if c not in out and c != ",")
-    got = jax.jit(lambda a, b: invariant_einsum(spec, a, b))(a, b)
-    summed_last = jax.jit(lambda a, b: pairwise_sum(jnp.einsum(f"{inputs}->{out}{summed}", a, b)))(a, b)
-    assert np.asarray(got).tobytes() == np.asarray(summed_last).tobytes(), spec
+
+
+def test_invariant_einsum_bits_are_the_materialised_trees(einsum_bits):
+    """With FMA contraction pinned, `invariant_einsum` (unrolled or not) has the bits of `pairwise_sum` over the
+    broadcast product with the summed index last, in every case of `batch_invariant_einsum.CASES`."""
+    assert einsum_bits == {case_name(*case): True for case in EINSUM_CASES}
 
 
 def _pinned(script: str, *argv: str) -> dict:
@@ -137,6 +141,12 @@ def _pinned(script: str, *argv: str) -> dict:
 def contract(request):
     """{check: [compared parts, differing parts]} from the contract script on tiny, with the FMA pin."""
     return _pinned("batch_invariant_contract.py", "tiny", request.param)
+
+
+@pytest.fixture(scope="module")
+def einsum_bits():
+    """{case: bits equal} from `batch_invariant_einsum.py`, with the FMA pin."""
+    return _pinned("batch_invariant_einsum.py")
 
 
 @pytest.fixture(scope="module")
