@@ -191,9 +191,15 @@ for mode in MODES:
         if t == 0 and mode != MODES[0]:
             speed[mode, t] = speed[MODES[0], t]
             continue
-        smp = None if t == 0 else Sampling(temperature=t, top_p=0.9, seed=7)
+        plain_law = None if t == 0 else Sampling(temperature=t, top_p=0.9, seed=7)
         speed[mode, t] = study.throughput(
-            prompts, NEW_TOKENS, schedule, SPEED_WIDTHS, repeats=SPEED_REPEATS, sampling=smp, speculative_sampling=mode
+            prompts,
+            NEW_TOKENS,
+            schedule,
+            SPEED_WIDTHS,
+            repeats=SPEED_REPEATS,
+            sampling=plain_law,
+            speculative_sampling=mode,
         )
 print(f"speculative / plain tokens/s, {NUM_DRAFTS} drafts, fused, median of {SPEED_REPEATS} alternated runs")
 for t in TEMPERATURES:

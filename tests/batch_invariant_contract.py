@@ -2,7 +2,7 @@
 (`tests/test_batch_invariant.py` starts it with `runtime_env.FMA_PIN_FLAG` in XLA_FLAGS).
 
 Prints one JSON object {check: [compared, differing]} (differing: names of the parts whose bytes differ).
-argv: checkpoint name (a preset), KV cache dtype.
+argv: checkpoint (a preset, a checkpoint directory or a `model_registry` model), KV cache dtype.
 """
 
 from __future__ import annotations
@@ -14,10 +14,16 @@ import numpy as np
 
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.settings import resolve_settings
+from metrale_jax.model_registry import config, is_synthetic
+from metrale_jax.params import init_params
 from metrale_jax.presets import resolve_checkpoint
 
 CHECKPOINT, KV = sys.argv[1], sys.argv[2]
-cfg, params = resolve_checkpoint(CHECKPOINT)
+if is_synthetic(CHECKPOINT):  # a benchmark model (`qwen3-next-h512`: hidden 512, MoE), seeded as the benchmarks seed it
+    cfg = config(CHECKPOINT)
+    params = init_params(cfg, 0)
+else:
+    cfg, params = resolve_checkpoint(CHECKPOINT)
 _rng = np.random.default_rng(5)
 PROMPTS = [[int(x) for x in _rng.integers(0, cfg.vocab_size, size=n)] for n in (70, 21, 9, 40, 33, 12, 5, 50)]
 ROWS = [11, 12, 13, 14]  # a verify's rows: last token, then three drafts
