@@ -3,8 +3,9 @@ depend on the program around them, with the semantics of the plain ones.
 
 Owns: `pairwise_sum` (a shape-invariant sum over one axis, the last by default: the attention kernel's interpreted
 body, its reference, and the model's norms and softmaxes), `ordered_sum` (terms added left to right,
-index 0 first, in the input's dtype, whatever the array's shape) and `first_argmax` (`jnp.argmax`
-over the last axis, int32).
+index 0 first, in the input's dtype, whatever the array's shape), `first_argmax` (`jnp.argmax`
+over the last axis, int32), `fenced` (a softmax's max kept out of its exponentials' fusion in the
+batch-invariant mode) and `log_softmax` (its batch-invariant form there).
 
 It lives with the kernels because the kernels use it and must not import the model; the model and
 the engine import it from here (layering: model -> kernels).
@@ -17,6 +18,7 @@ the vectorisable forms.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -42,6 +44,29 @@ def pairwise_sum(x, axis: int = -1):
         half = x.shape[axis] // 2
         x = lax.add(lax.slice_in_dim(x, 0, half, axis=axis), lax.slice_in_dim(x, half, 2 * half, axis=axis))
     return lax.squeeze(x, (axis,))
+
+
+def fenced(m, fence: bool):
+    """`m` (a softmax's row max), behind an optimization barrier when `fence` (the batch-invariant mode).
+
+    NOTE: XLA CPU fuses a row max with the exp(x - max) that consumes it, and from some array size on
+    (4,096 elements of rows 8 or 16 wide, the MoE router's softmax at 512 or 256 rows) that fusion
+    rounds the exponentials differently from the same rows in a smaller array: a long prefill's routing
+    weights then differed from a chunk's in the last bit. Behind the barrier the max is a reduction of
+    its own and exp(x - max) an elementwise fusion, which rounds alike at every shape. Outside the mode
+    the fusion stays (the default mode's bits are unchanged)."""
+    return lax.optimization_barrier(m) if fence else m
+
+
+def log_softmax(x, invariant: bool):
+    """`jax.nn.log_softmax(x, axis=-1)`; `invariant` (the batch-invariant mode): x - m - log(sum(exp(x - m)))
+    with the max `fenced` and the sum a `pairwise_sum`, the same bits for a row in any batch.
+    NOTE: jax's form sums with `jnp.sum`, whose order on XLA CPU depends on the rows around a row (a
+    2,048-wide row differed between one row and two)."""
+    if not invariant:
+        return jax.nn.log_softmax(x, axis=-1)
+    shifted = x - fenced(jnp.max(x, axis=-1, keepdims=True), True)
+    return shifted - jnp.log(pairwise_sum(jnp.exp(shifted)))[..., None]
 
 
 def ordered_sum(x, axis: int):

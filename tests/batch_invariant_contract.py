@@ -30,8 +30,8 @@ ROWS = [11, 12, 13, 14]  # a verify's rows: last token, then three drafts
 out: dict[str, list] = {}
 
 
-def engine() -> Engine:
-    flags = dict(max_batch_size="8", max_seq_len=256, speculative=True, num_drafts=3, kv_cache_dtype=KV)
+def engine(max_seq_len: int = 256) -> Engine:
+    flags = dict(max_batch_size="8", max_seq_len=max_seq_len, speculative=True, num_drafts=3, kv_cache_dtype=KV)
     return Engine(cfg, params, resolve_settings({**flags, "batch_invariant": True}, None, auto_slots=8))
 
 
@@ -108,6 +108,15 @@ for chunk in (32, 64):
         whole,
         {"logits": eng.prefill(s, PROMPTS[0] + PROMPTS[3], chunk), **state(eng, s)},
     )
+
+# 3b. A long prompt (past the sizes where XLA CPU fuses a softmax's max with its exponentials otherwise).
+LONG = [int(x) for x in _rng.integers(0, cfg.vocab_size, size=600)]
+one = engine(max_seq_len=640)
+s1 = one.alloc_sequence()
+whole = {"logits": one.prefill(s1, LONG)}
+whole.update(state(one, s1))
+s = one.alloc_sequence()
+check("prefill of 600 in chunks of 64 == one pass", whole, {"logits": one.prefill(s, LONG, 64), **state(one, s)})
 
 # 4. The MTP propose does not depend on its batch.
 e1, e4 = engine(), engine()

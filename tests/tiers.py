@@ -55,7 +55,7 @@ SLOW, SUBPROCESS, SHARDED = ("slow",), ("subprocess",), ("sharded",)
 # that do compile: a tiny engine's refusals and swap, one end-to-end diff, the planner's reports,
 # kernels at small shapes.
 RULES: tuple[Rule, ...] = (
-    Rule("test_batch_invariant.py", SLOW + SUBPROCESS, uses=("contract", "mutants", "einsum_bits")),
+    Rule("test_batch_invariant.py", SLOW + SUBPROCESS, uses=("contract", "mutants", "einsum_bits", "softmax_bits")),
     # kernels
     Rule("test_kernels_gdn.py", SLOW, only=("test_chunk_bit_identical", "test_rows_bit_identical")),
     Rule(

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.invariant import invariant_einsum
-from kernels_pallas.reductions import pairwise_sum
+from kernels_pallas.reductions import fenced, pairwise_sum
 
 TILE_KEYS = 64  # keys per tile: tile_pages(bs) blocks, read per loop step
 MIN_ROWS = 2  # a row matrix has at least this many rows (padding rows at position -1)
@@ -123,7 +123,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, positions, scale: float, 
         s = contract("bgmd,bgsd->bgms", rows, k, preferred_element_type=f32)  # [B, KV, Mp, tile]
         s = (s.astype(q.dtype) * jnp.asarray(scale, q.dtype)).astype(f32)  # HF's rounding point
         s = jnp.where((kpos[None, :] <= row_pos[:, :, None])[:, None], s, -jnp.inf)
-        m_new = jnp.maximum(mx, jnp.max(s, axis=-1))  # [B, KV, Mp]
+        m_new = fenced(jnp.maximum(mx, jnp.max(s, axis=-1)), invariant)  # [B, KV, Mp]
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: p = alpha = 0
         p = jnp.exp(s - m_safe[..., None])  # [B, KV, Mp, tile]
         alpha = jnp.exp(mx - m_safe)  # [B, KV, Mp]

@@ -38,10 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.reductions import first_argmax
+from kernels_pallas.reductions import first_argmax, log_softmax
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import inputs, sampling
 from metrale_jax.engine.pool import EnginePool
+from metrale_jax.model.invariant import products_invariant
 from metrale_jax.model.state_io import GdnMode, PoolIO, TrunkState, ordered_read
 from metrale_jax.model.trunk import final_norm, head, mtp_forward, trunk
 
@@ -346,7 +347,7 @@ def propose(
             d = _draw(logits, rows, jnp.arange(last.shape[0]), seq_lens + 1 + j)
         else:
             d = first_argmax(logits)
-        lsm = jax.nn.log_softmax(logits, axis=-1)
+        lsm = log_softmax(logits, products_invariant())
         drafts.append(d)
         # NOTE: under rejection the confidence is the drafter's top log-probability, a function of
         # its logits only: a stop that read the drafted token's own probability would drop drafts

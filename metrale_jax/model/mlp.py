@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from kernels_pallas.reductions import ordered_sum, pairwise_sum
+from kernels_pallas.reductions import fenced, ordered_sum, pairwise_sum
 from metrale_jax.config import ModelConfig
+from metrale_jax.model.invariant import products_invariant
 from metrale_jax.model.linear import (
     EXPERT_AXES,
     ExpertLeaves,
@@ -282,7 +283,7 @@ def moe(p, x, cfg: ModelConfig, form: MoeForm | None = None):
     # NOTE: the router is replicated (its rows and the one-row shared gate do not split over heads): groups=1.
     logits, shared_scale = linear_parts(x, p["router"], moe_router_rows(cfg), groups=1)
     logits32 = logits.astype(jnp.float32)
-    e = jnp.exp(logits32 - jnp.max(logits32, axis=-1, keepdims=True))
+    e = jnp.exp(logits32 - fenced(jnp.max(logits32, axis=-1, keepdims=True), products_invariant()))
     probs = e / pairwise_sum(e)[..., None]  # softmax, with a shape-invariant sum
     top_w, top_i = top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
