@@ -24,13 +24,15 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.invariant import invariant_einsum
+
 Backend = Literal["interpret", "gpu"]
 #: The custom-call target of a Pallas kernel lowered for GPU (Triton): `jax.export` checks its targets.
 TRITON_CALL = "__gpu$xla.gpu.triton"
 BACKENDS: tuple[Backend, ...] = ("interpret", "gpu")
 Implementation = Literal["pallas", "reference"]  # an `api` entry point's choice: the kernel or its reference
 IMPLEMENTATIONS: tuple[Implementation, ...] = ("pallas", "reference")
-MatvecForm = Literal["dot", "reduce"]  # see `matvec_form`
+MatvecForm = Literal["dot", "reduce", "invariant"]  # see `matvec_form`
 
 
 def default_interpret() -> bool:
@@ -61,7 +63,10 @@ def matvec_form(interpret: bool) -> MatvecForm:
 
 
 def matvec(m, x, form: MatvecForm):
-    """sum_j m[j, :] * x[j]: m [n, c], x [n] -> [c] (the references' `einsum("...jc,...j->...c")`)."""
+    """sum_j m[j, :] * x[j]: m [n, c], x [n] -> [c] (the references' `einsum("...jc,...j->...c")`); "invariant"
+    (the batch-invariant configuration, interpreter only): `invariant_einsum`, the batch-invariant reference's."""
+    if form == "invariant":
+        return invariant_einsum("jc,j->c", m, x)
     if form == "dot":
         return jnp.einsum("jc,j->c", m, x)
     return jnp.sum(m * x[:, None], axis=0)

@@ -1,6 +1,7 @@
 """The ops objects: the four stateful ops the trunk calls, as one protocol (`Ops`) and its two
 implementations, `ReferenceOps` (the `xla` forward: the kernels' jnp reference twins) and
-`PallasOps` (the `pallas` forward: the Pallas kernels, with the reference as fallback).
+`PallasOps` (the `pallas` forward: the Pallas kernels, with the reference as fallback); and their
+batch-invariant variants `InvariantOps` and `PallasInvariantOps` (`--batch-invariant`).
 
 Owns: the ops contract (`Ops`), the names of the forwards (`Forward`), and the `pallas` forward's
 fallback policy. Each `PallasOps` method asks its op's `*_supported` check first; a refusal runs the
@@ -203,6 +204,8 @@ class PallasOps:
 
     name: str = "pallas"
     interpret: bool = dataclasses.field(default_factory=common.default_interpret)
+    #: The kernels' batch-invariant configuration (`PallasInvariantOps`); False: their defaults.
+    batch_invariant: bool = False
 
     @property
     def backend(self) -> common.Backend:
@@ -228,8 +231,10 @@ class PallasOps:
 
         def run(*args):
             if _refused("gdn_rows", gdn_api.gdn_rows_supported(*args, backend=self.backend)):
-                return gdn_api.recurrent_gated_delta_rule(*args, implementation="reference")
-            return gdn_api.recurrent_gated_delta_rule(*args, interpret=self.interpret)
+                return gdn_api.recurrent_gated_delta_rule(
+                    *args, implementation="reference", invariant=self.batch_invariant
+                )
+            return gdn_api.recurrent_gated_delta_rule(*args, interpret=self.interpret, invariant=self.batch_invariant)
 
         return _on_heads(run, _GDN_IN, (_heads(0, 0, 1, 0), _heads(0, 0, 1, 0, 0)), q, k, v, g, beta, h0)
 
@@ -248,8 +253,23 @@ class PallasOps:
             k_cache, v_cache = k_cache[layer], v_cache[layer]
 
         def run(*args):
-            if _refused("attention", attn_api.paged_attention_supported(*args, backend=self.backend)):
-                return attn_api.paged_attention(*args, scale, implementation="reference")
-            return attn_api.paged_attention(*args, scale, interpret=self.interpret)
+            supported = attn_api.paged_attention_supported(*args, backend=self.backend, invariant=self.batch_invariant)
+            if _refused("attention", supported):
+                return attn_api.paged_attention(
+                    *args, scale, implementation="reference", invariant=self.batch_invariant
+                )
+            return attn_api.paged_attention(*args, scale, interpret=self.interpret, invariant=self.batch_invariant)
 
         return _on_heads(run, _ATTN_IN, _heads(0, 0, 1, 0), q, k_cache, v_cache, block_tables, positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasInvariantOps(PallasOps):
+    """The `pallas` forward in the batch-invariant mode (`--batch-invariant`): the kernels in their
+    batch-invariant configuration (`gdn.api`, `paged_attention.api`: fixed row blocks, and under the interpreter
+    the invariant references' products and fences, so each equals `InvariantOps`' twin bit for bit), the chunk
+    kernel as it is (its shapes are the chunk's), and `batch_invariant` set: the engine traces the products
+    through the rows kernel (`metrale_jax.model.invariant`) as for `InvariantOps`."""
+
+    name: str = "pallas-batch-invariant"
+    batch_invariant: bool = True

@@ -14,7 +14,8 @@ Claims:
   batch.
 - The sub-bound mutants (`diff_mutants.SUB_BOUND_MUTANTS`: a committed state one ULP off) PASS the bounded
   oracle and FAIL it under --batch-invariant; the clean tree PASSes both.
-- Without the setting the ops are the `xla` forward's (`ReferenceOps`): nothing changes.
+- Without the setting the ops are the forwards' own (`ReferenceOps`, `PallasOps`): nothing changes; with it the
+  `pallas` forward is `PallasInvariantOps` (the kernels' invariant configuration, tests/test_kernels_invariant.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from diff_mutants import SUB_BOUND_MUTANTS
 
 from kernels_cpu.rows_matmul.api import kernel_unavailable, rows_matmul_invariant
 from kernels_pallas.invariant import invariant_einsum
-from kernels_pallas.ops import InvariantOps, ReferenceOps
+from kernels_pallas.ops import InvariantOps, PallasInvariantOps, PallasOps, ReferenceOps
 from metrale_jax.engine.engine import Engine, make_ops
 from metrale_jax.engine.sequences import EngineError
 from metrale_jax.engine.settings import unsupported
@@ -58,8 +59,8 @@ def test_setting_resolves_and_is_refused_on_several_devices(tiny):
 def test_ops_follow_the_setting():
     assert make_ops("xla") == ReferenceOps() and make_ops("xla", True) == InvariantOps()
     assert InvariantOps().name != ReferenceOps().name
-    with pytest.raises(EngineError, match="xla forward"):
-        make_ops("pallas", True)
+    assert make_ops("pallas", True) == PallasInvariantOps() and make_ops("pallas") == PallasOps()
+    assert PallasInvariantOps().batch_invariant and PallasInvariantOps().name not in (PallasOps().name, "xla")
 
 
 def test_engine_refuses_the_mode_without_the_fma_pin(tiny):

@@ -21,9 +21,9 @@ from kernels_pallas import common, testing
 from kernels_pallas.common import KernelRefused
 from kernels_pallas.gdn import api as gdn_api
 from kernels_pallas.gdn import pallas_gpu as gdn_kernels
-from kernels_pallas.ops import PallasOps
+from kernels_pallas.ops import PallasInvariantOps, PallasOps
 from kernels_pallas.paged_attention import api as attn_api
-from kernels_pallas.paged_attention.pallas_gpu import AttentionTiling
+from kernels_pallas.paged_attention.pallas_gpu import INVARIANT_BLOCK_ROWS, AttentionTiling
 
 try:
     from jax.sharding import AbstractDevice
@@ -119,6 +119,25 @@ def test_pallas_ops_lowers_every_kernel(triton_ir):
     before = ops.refusals()
     text = export_cuda(step, *gdn_args(4, 4, 32), *attn_args(4, 4, 16, 2, 256))
     assert text.count(TRITON) == 2 and len(triton_ir) == 2
+    assert ops.refusals() == before
+
+
+@pytest.mark.parametrize("t", [1, 8])
+def test_pallas_invariant_ops_lower_every_kernel(triton_ir, t):
+    """The batch-invariant configuration compiled (`PallasInvariantOps(interpret=False)`): the rows, chunk and
+    attention kernels lower as Triton calls, no refusal, the attention in row blocks of
+    `INVARIANT_BLOCK_ROWS` whatever the query count (GQA 8:1: 8 rows are 64 rows of a kv head)."""
+    ops = PallasInvariantOps(interpret=False)
+
+    def step(q, k, v, g, beta, h0, aq, kc, vc, tables, pos):
+        o_rows, _ = ops.gdn_rows(q, k, v, g, beta, h0)
+        o_chunk, _ = ops.gdn_chunk(q, k, v, g, beta, h0)
+        return o_rows, o_chunk, ops.attention(aq, kc, vc, tables, pos, 256**-0.5)
+
+    before = ops.refusals()
+    text = export_cuda(step, *gdn_args(4, t, 32), *attn_args(4, t, 16, 2, 256))
+    assert text.count(TRITON) == 3 and len(triton_ir) == 3
+    assert f"paged_attention_bm{INVARIANT_BLOCK_ROWS}_" in text
     assert ops.refusals() == before
 
 

@@ -15,6 +15,14 @@ Contracts (checked by tests/test_kernels_gdn.py):
   over o and the state(s)): the Triton body (its matvecs are multiply + sum, reduced in another
   order than the CPU dot) and value tiles narrower than Eigen's wide-matmul path (Eigen switches
   matmul kernels for narrow operands).
+- The batch-invariant configuration (`recurrent_gated_delta_rule(..., invariant=True)`, the `pallas`
+  forward under `--batch-invariant`): one program per (sequence, value head, value tile) whatever the batch,
+  its rows in order through the same step. Under the interpreter the step's matvecs are `invariant_einsum`s
+  and each row starts from a fenced state and row (the "invariant" matvec form): row t of a verify has the
+  bits of a decode from the state after row t - 1, a sequence the same bits in any batch, and the kernel
+  equals the reference's invariant recurrence bit for bit. Compiled, the Triton body ("reduce") already runs
+  one fixed program per row. The chunk kernel needs no variant: its shapes are the chunk's whatever the
+  prompt or the batch.
 - On a GPU the kernels are compared to the reference by `benchmarks/gpu_check.py`, and the tests
   of tests/test_kernels_gdn.py run compiled and check the bounded contract.
 """
@@ -101,24 +109,26 @@ def recurrent_gated_delta_rule(
     implementation: Implementation = "pallas",
     interpret: bool | None = None,
     tiling: RowsTiling | None = None,
+    invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-row recurrence (decode / verify): (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32),
     states[:, t] the state after row t. Arguments as `reference.recurrent_gated_delta_rule`.
 
     implementation: "pallas" (raises `KernelRefused` with the reason when unsupported) or
     "reference". interpret: None = `common.default_interpret()`. tiling: None =
-    `RowsTiling.get_default`.
+    `RowsTiling.get_default`. invariant: the batch-invariant configuration (see the module docstring);
+    the reference is then the reference's invariant recurrence.
     """
     return common.dispatch(
         "gdn rows kernel",
         implementation,
         interpret,
         tiling,
-        reference=lambda: reference.recurrent_gated_delta_rule(q, k, v, g, beta, h0),
+        reference=lambda: reference.recurrent_gated_delta_rule(q, k, v, g, beta, h0, invariant=invariant),
         default_tiling=lambda interp: RowsTiling.get_default(v.shape[-1], interpret=interp),
         supported=lambda backend, til: gdn_rows_supported(q, k, v, g, beta, h0, backend=backend, tiling=til),
         kernel=lambda til, interp: pallas_gpu.recurrent_gated_delta_rule(
-            q, k, v, g, beta, h0, tiling=til, interpret=interp
+            q, k, v, g, beta, h0, tiling=til, interpret=interp, matvec_as="invariant" if invariant and interp else None
         ),
     )
 

@@ -82,13 +82,17 @@ def _rows_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, s_ref, *, row
 
     q_ref, k_ref [T, dk]; v_ref [T, bv]; g_ref, b_ref [T]; h0_ref [dk, bv];
     o_ref [T, bv]; s_ref [T, dk, bv] (the state after each row).
+    form "invariant" (the batch-invariant configuration): each row starts from a fenced state and row, as the
+    reference's invariant recurrence, so row t runs a decode's arithmetic from the state after row t - 1.
     """
     s = h0_ref[...]  # [dk, bv]
     for t in range(rows):
-        q_t, k_t = q_ref[t], k_ref[t]  # [dk]
-        s = s * jnp.exp(g_ref[t])
+        q_t, k_t, v_t, g_t, b_t = q_ref[t], k_ref[t], v_ref[t], g_ref[t], b_ref[t]  # [dk] [dk] [bv] [] []
+        if form == "invariant":
+            s, (q_t, k_t, v_t, g_t, b_t) = lax.optimization_barrier((s, (q_t, k_t, v_t, g_t, b_t)))
+        s = s * jnp.exp(g_t)
         kv_mem = matvec(s, k_t, form)  # [bv]
-        delta = (v_ref[t] - kv_mem) * b_ref[t]
+        delta = (v_t - kv_mem) * b_t
         s = s + k_t[:, None] * delta[None, :]
         o_ref[t] = matvec(s, q_t, form)
         s_ref[t] = s
@@ -101,8 +105,11 @@ def recurrent_gated_delta_rule(
 
     q, k [B, T, Hk, dk] f32; v [B, T, H, dv] f32; g, beta [B, T, H] f32; h0 [B, H, dk, dv] f32.
     Returns (o [B, T, H, dv] f32, states [B, T, H, dk, dv] f32) as the reference does.
-    matvec_as: None = `matvec_form(interpret)`; tests set "reduce" to run the Triton body on CPU.
+    matvec_as: None = `matvec_form(interpret)`; tests set "reduce" to run the Triton body on CPU;
+    "invariant" (interpreter only) is the batch-invariant configuration's (`_rows_kernel`).
     """
+    if matvec_as == "invariant" and not interpret:
+        raise ValueError("the 'invariant' matvec form runs under the interpreter (Triton cannot slice a tile)")
     b, t, hk, dk = q.shape
     heads, dv = v.shape[2:]
     r = heads // hk

@@ -31,6 +31,14 @@ key tiles of `reference.tile_pages(bs)` blocks) and the default form ("reference
 - The reference's own accuracy: as good as the whole-span softmax it is the tiled form of, against
   the float64 oracle over decode, verify and prefill-chunk rows spanning 1 to 3 key tiles (GQA
   2:1, 8:1, MHA), in RMS and in max error (tests/test_kernels_paged_attention.py).
+- The batch-invariant configuration (`invariant=True`, the `pallas` forward under `--batch-invariant`):
+  rows in blocks of `pallas_gpu.INVARIANT_BLOCK_ROWS` whatever the query count (`AttentionTiling.get_invariant`),
+  key tiles from key 0 in order, each block walking to its own rows' last key (a tile past a row's position
+  adds exact zeros and rescales by exactly 1). Under the interpreter the "invariant" form's products are
+  `invariant_einsum`s and the running max is `reductions.fenced`: a row's output has the same bits alone, at
+  any place among any rows, with padding after it, and equals the reference's invariant walk
+  (`reference.paged_attention(..., invariant=True)`) bit for bit. Compiled, the form is "triton" in the fixed
+  row blocks: by construction the same program for a row whatever the query count (not checked here).
 - Exact parts on every tiling and form: padding rows are zeros, and what other sequences' blocks,
   or blocks of the own table past the rows' positions, hold never changes a result (tests use NaN
   there).
@@ -62,10 +70,11 @@ def paged_attention_supported(
     *,
     backend: str,
     tiling: AttentionTiling | None = None,
+    invariant: bool = False,
 ) -> str | None:
     """Why the kernel refuses these arguments (anything with .shape/.dtype) on `backend`
-    ("interpret" or "gpu") with `tiling` (None = `AttentionTiling.get_default`), or None when it
-    takes them."""
+    ("interpret" or "gpu") with `tiling` (None = `AttentionTiling.get_default`, with `invariant`
+    `AttentionTiling.get_invariant`), or None when it takes them."""
     if reason := common.backend_reason(backend):
         return reason
     if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
@@ -83,7 +92,7 @@ def paged_attention_supported(
         return f"block_tables must be [B, MB] and positions [B, T]; got {block_tables.shape}, {positions.shape}"
     if q.dtype not in Q_DTYPES:
         return f"q dtype {q.dtype} is not one of {[str(x) for x in Q_DTYPES]}"
-    tiling = tiling or AttentionTiling.get_default(t, h, kvh, bs, interpret=backend == "interpret")
+    tiling = tiling or _default_tiling(t, h, kvh, bs, interpret=backend == "interpret", invariant=invariant)
     if backend == "gpu":
         return common.triton_dims_reason(
             minimum=16, head_dim=d, block_rows=tiling.block_rows, tile_keys=tiling.pages * bs
@@ -106,6 +115,7 @@ def paged_attention(
     interpret: bool | None = None,
     tiling: AttentionTiling | None = None,
     form: Form | None = None,
+    invariant: bool = False,
 ) -> jax.Array:
     """Causal GQA attention of query rows over their sequences' paged KV. Arguments as
     `reference.paged_attention`; returns [B, T, H, D] in q's dtype.
@@ -113,20 +123,42 @@ def paged_attention(
     implementation: "pallas" (raises `KernelRefused` with the reason when unsupported) or
     "reference". interpret: None = `common.default_interpret()`. tiling: None =
     `AttentionTiling.get_default`; form: the kernel body's form, None = `pallas_gpu.default_form(interpret)`.
+    invariant: the batch-invariant configuration (see the module docstring): tiling None =
+    `AttentionTiling.get_invariant`, form None = `pallas_gpu.invariant_form(interpret)`, and the reference
+    is the reference's invariant walk.
     """
     return common.dispatch(
         "paged attention kernel",
         implementation,
         interpret,
         tiling,
-        reference=lambda: reference.paged_attention(q, k_cache, v_cache, block_tables, positions, scale),
-        default_tiling=lambda interp: AttentionTiling.get_default(
-            q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interp
+        reference=lambda: reference.paged_attention(
+            q, k_cache, v_cache, block_tables, positions, scale, invariant=invariant
+        ),
+        default_tiling=lambda interp: _default_tiling(
+            q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[1], interpret=interp, invariant=invariant
         ),
         supported=lambda backend, til: paged_attention_supported(
-            q, k_cache, v_cache, block_tables, positions, backend=backend, tiling=til
+            q, k_cache, v_cache, block_tables, positions, backend=backend, tiling=til, invariant=invariant
         ),
         kernel=lambda til, interp: pallas_gpu.paged_attention(
-            q, k_cache, v_cache, block_tables, positions, scale, tiling=til, interpret=interp, form=form
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            positions,
+            scale,
+            tiling=til,
+            interpret=interp,
+            form=form or (pallas_gpu.invariant_form(interp) if invariant else None),
         ),
+    )
+
+
+def _default_tiling(t: int, h: int, kvh: int, bs: int, *, interpret: bool, invariant: bool) -> AttentionTiling:
+    """`AttentionTiling.get_invariant` in the batch-invariant configuration, else `AttentionTiling.get_default`."""
+    return (
+        AttentionTiling.get_invariant(bs)
+        if invariant
+        else AttentionTiling.get_default(t, h, kvh, bs, interpret=interpret)
     )

@@ -33,6 +33,10 @@ Invariants:
   which with the interpreter's tiling (`AttentionTiling.get_default`) makes the kernel byte-equal to the reference;
   "triton" when compiled runs tl.sum (Triton cannot slice a tile) and dots in q's dtype (tensor
   cores). Tests run both forms on CPU.
+- The batch-invariant configuration (`AttentionTiling.get_invariant`, `invariant_form`): row blocks of
+  `INVARIANT_BLOCK_ROWS` whatever the query count; under the interpreter the "invariant" form, the
+  "reference" form with the products as `invariant_einsum`s and the running max `reductions.fenced` (the
+  reference's invariant walk, op for op); compiled, the "triton" form in those fixed blocks.
 
 Precondition: positions < block_tables.shape[1] * bs (a row's keys fit its table).
 """
@@ -49,11 +53,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.invariant import invariant_einsum
 from kernels_pallas.paged_attention import reference
-from kernels_pallas.reductions import pairwise_sum
+from kernels_pallas.reductions import fenced, pairwise_sum
 
-Form = Literal["reference", "triton"]  # the body's form (see the module docstring)
-FORMS: tuple[Form, ...] = ("reference", "triton")
+Form = Literal["reference", "triton", "invariant"]  # the body's form (see the module docstring)
+FORMS: tuple[Form, ...] = ("reference", "triton", "invariant")
+#: Query rows per program in the batch-invariant configuration (`AttentionTiling.get_invariant`): the
+#: least row block Triton's dots take, whatever the query count.
+INVARIANT_BLOCK_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +85,40 @@ class AttentionTiling:
             return cls(block_rows=max(rows, reference.MIN_ROWS), pages=reference.tile_pages(bs))
         return cls(block_rows=min(64, max(16, 1 << (rows - 1).bit_length())), pages=reference.tile_pages(bs))
 
+    @classmethod
+    def get_invariant(cls, bs: int) -> AttentionTiling:
+        """The batch-invariant configuration's tiling, on both backends: `INVARIANT_BLOCK_ROWS` rows per
+        program and key tiles of `reference.tile_pages(bs)` blocks, whatever the query count (no block that
+        grows with the rows run together)."""
+        return cls(block_rows=INVARIANT_BLOCK_ROWS, pages=reference.tile_pages(bs))
+
 
 def default_form(interpret: bool) -> Form:
     """The body's form: "reference" under the interpreter (byte-equal to the reference), "triton"
     when compiled."""
     return "reference" if interpret else "triton"
+
+
+def invariant_form(interpret: bool) -> Form:
+    """The body's form in the batch-invariant configuration: "invariant" under the interpreter (byte-equal
+    to the reference's invariant walk), "triton" when compiled (a fixed [block_rows, tile] program per row
+    block: its tl.dot and tl.sum orders are the block's, not the query count's)."""
+    return "invariant" if interpret else "triton"
+
+
+def _scores(q, k, invariant: bool):
+    """q [bm, D] . k [tile, D] -> [bm, tile] float32: a 2-D dot, or in the "invariant" form `invariant_einsum`
+    (the reference's invariant walk's tree per output element, whatever the block's other rows)."""
+    if invariant:
+        return invariant_einsum("md,sd->ms", q, k, preferred_element_type=jnp.float32)
+    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _weighted(p, v, invariant: bool):
+    """p [bm, tile] @ v [tile, D] -> [bm, D] float32, as `_scores`."""
+    if invariant:
+        return invariant_einsum("ms,sd->md", p, v, preferred_element_type=jnp.float32)
+    return jnp.dot(p, v, preferred_element_type=jnp.float32)
 
 
 def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: float, pages: int, form: Form):
@@ -90,7 +127,8 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
     bs, d = k_ref.shape[1], k_ref.shape[3]
     g = pl.program_id(1)
     tile = pages * bs
-    exact = form == "reference"
+    exact = form != "triton"
+    invariant = form == "invariant"
     q = q_ref[...]  # [bm, D]
     dtype = q.dtype
     operand = functools.partial(reference.widen, dtype=dtype) if exact else (lambda x: x.astype(dtype))
@@ -105,15 +143,15 @@ def _attention_kernel(q_ref, pos_ref, bt_ref, k_ref, v_ref, o_ref, *, scale: flo
         k = operand(k_ref[ids, :, g].reshape(tile, d))  # [tile, D]
         v = operand(v_ref[ids, :, g].reshape(tile, d))
         kpos = j * tile + lax.broadcasted_iota(jnp.int32, (tile,), 0)  # [tile]
-        s = lax.dot_general(qd, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = _scores(qd, k, invariant)  # [bm, tile]
         s = (s.astype(dtype) * jnp.asarray(scale, dtype)).astype(jnp.float32)  # as the reference
         s = jnp.where(kpos[None, :] <= pos[:, None], s, -jnp.inf)  # [bm, tile]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_new = fenced(jnp.maximum(m, jnp.max(s, axis=1)), invariant)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet: p = alpha = 0
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
         v = jnp.where((kpos <= last)[:, None], v, jnp.zeros_like(v))  # 0 * stale NaN would poison
-        pv = jnp.dot(operand(p), v, preferred_element_type=jnp.float32)  # [bm, D]
+        pv = _weighted(operand(p), v, invariant)  # [bm, D]
         p_sum = pairwise_sum(p) if exact else jnp.sum(p, axis=1)  # [bm]
         return alpha[:, None] * acc + pv, m_new, alpha * denom + p_sum
 
@@ -150,6 +188,8 @@ def paged_attention(
     form = form or default_form(interpret)
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
+    if form == "invariant" and not interpret:
+        raise ValueError("the 'invariant' form runs under the interpreter (Triton cannot slice a tile)")
     block_rows, pages = tiling.block_rows, tiling.pages
     b, t, h, d = q.shape
     kvh = k_cache.shape[2]

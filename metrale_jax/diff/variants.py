@@ -16,11 +16,12 @@ Invariants:
 - `oracle` replays the reference's committed tokens through the plain path only (`diff.oracle`):
   bounded (`oracle.oracle_contract`, set by `applicable` for the engine); it runs in the verify
   modes and `--swap` (there: a run that never spilled, bit-identical).
-- Another forward (`pallas`) is declared bounded: by `INTERPRETED_RTOL` where its kernels run under
-  the Pallas interpreter (CPU: each kernel is byte-equal to its reference twin at the kernel tests'
-  shapes, but XLA CPU contracts some multiply-adds into FMAs in a kernel body and not in the twin's
-  fusions at some batch widths: a few ULP), by `OTHER_FORWARD_RTOL` where they are compiled
-  (Triton: other reduction order).
+- Under `--batch-invariant` another forward (`pallas`) runs its kernels' batch-invariant configuration
+  interpreted and is declared bit-identical. Otherwise it is declared bounded: by `INTERPRETED_RTOL`
+  where its kernels run under the Pallas interpreter (CPU: each kernel is byte-equal to its reference
+  twin at the kernel tests' shapes, but XLA CPU contracts some multiply-adds into FMAs in a kernel
+  body and not in the twin's fusions at some batch widths: a few ULP), by `OTHER_FORWARD_RTOL` where
+  they are compiled (Triton: other reduction order).
 - A mesh variant (`tp2`, `tp2-ep2`) replays the reference's steps with the reference forward on
   the engine resharded over a (tp, ep) mesh (`Engine.set_mesh`): the partitioned products and
   all-reduces sum in another order, so it is declared bounded (`MESH_RTOL`); it runs only when
@@ -55,6 +56,13 @@ OTHER_FORWARD_RTOL = 1e-3
 #: logits by O(1), far outside it.
 INTERPRETED_RTOL = 1e-5
 
+
+#: Another forward's contract under `--batch-invariant`: its kernels' batch-invariant configuration runs
+#: interpreted (the mode runs on CPU only), each kernel its invariant twin's arithmetic, bit for bit
+#: (`kernels_pallas.ops.PallasInvariantOps`).
+INVARIANT_KERNELS_CONTRACT = Contract(
+    reason="--batch-invariant: the kernels' invariant configuration, interpreted, is the xla forward's arithmetic"
+)
 
 #: The declared bound of a sharded replay: its partitioned sums round in another order, as compiled
 #: kernels do (an fp8 KV cache turns a last-bit change of a K or V value into an fp8 step).
@@ -150,7 +158,7 @@ def applicable(engine, mode: str, variants: Sequence[Variant]) -> tuple[list[Var
         elif v.step == "fused" and engine.replay:
             skipped.append({"name": v.label, "reason": "the fused speculative step needs snapshot rollback"})
         elif v.forward not in (None, "xla") and getattr(engine.settings, "batch_invariant", False):
-            skipped.append({"name": v.label, "reason": f"--batch-invariant runs the xla forward only, not {v.forward}"})
+            runs.append(dataclasses.replace(v, contract=INVARIANT_KERNELS_CONTRACT))
         elif v.mesh is not None and getattr(engine.settings, "batch_invariant", False):
             skipped.append({"name": v.label, "reason": "--batch-invariant runs on one device"})
         elif v.mesh is not None and mode == "swap":

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from kernels_pallas.ops import Forward, InvariantOps, Ops, PallasOps, ReferenceOps
+from kernels_pallas.ops import Forward, InvariantOps, Ops, PallasInvariantOps, PallasOps, ReferenceOps
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine import batching
 from metrale_jax.engine import transitions as tr
@@ -72,11 +72,12 @@ FORWARDS: tuple[str, ...] = get_args(Forward)
 
 def make_ops(name: str, batch_invariant: bool = False) -> Ops:
     """The ops object of a forward: `xla` (jnp reference twins) or `pallas` (kernels); with `batch_invariant`
-    (the serve setting) the `xla` forward's batch-invariant variant (`InvariantOps`)."""
-    if batch_invariant:
-        if name != "xla":
-            raise EngineError(f"--batch-invariant runs the xla forward, not {name!r}")
+    (the serve setting) the forward's batch-invariant variant (`InvariantOps`, `PallasInvariantOps`: the
+    kernels interpreted on CPU, the mode's only backend)."""
+    if batch_invariant and name == "xla":
         return InvariantOps()
+    if batch_invariant and name == "pallas":
+        return PallasInvariantOps()
     if name == "xla":
         return ReferenceOps()
     if name == "pallas":

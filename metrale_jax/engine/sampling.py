@@ -38,10 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.reductions import first_argmax, pairwise_sum
+from kernels_pallas.reductions import fenced, first_argmax, pairwise_sum
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.inputs import Array, HostInput
 from metrale_jax.engine.settings import SPECULATIVE_SAMPLING_MODES
+from metrale_jax.model.invariant import products_invariant
 
 #: The key tags: the coupled draw (target, and the Gumbel drafter), rejection sampling's uniform,
 #: its residual draw and its drafter's own draw.
@@ -196,7 +197,9 @@ def _row_probabilities(logits, temperature, top_k, top_p, min_p):
     t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / t
     s = jnp.where(allowed(scaled, top_k, top_p, min_p), scaled, -jnp.inf)
-    e = jnp.exp(s - jnp.max(s))
+    # NOTE: under the batch-invariant mode the max is fenced from its exponentials (`reductions.fenced`, as
+    # the MoE router's): fused, XLA CPU rounds them by the array's size, i.e. by the rows drawn together.
+    e = jnp.exp(s - fenced(jnp.max(s), products_invariant()))
     soft = e / pairwise_sum(e)
     onehot = (jnp.arange(logits.shape[-1]) == first_argmax(logits)).astype(jnp.float32)
     return jnp.where(temperature > 0, soft, onehot)
