@@ -2,7 +2,8 @@
 (`tests/test_batch_invariant.py` starts it with `runtime_env.FMA_PIN_FLAG` in XLA_FLAGS).
 
 Prints one JSON object {check: [compared, differing]} (differing: names of the parts whose bytes differ).
-argv: checkpoint (a preset, a checkpoint directory or a `model_registry` model), KV cache dtype.
+argv: checkpoint (a preset, a checkpoint directory or a `model_registry` model), KV cache dtype, and optionally the
+forward (`xla`, the default, or `pallas`: the kernels' batch-invariant configuration, interpreted).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from metrale_jax.params import init_params
 from metrale_jax.presets import resolve_checkpoint
 
 CHECKPOINT, KV = sys.argv[1], sys.argv[2]
+FORWARD = sys.argv[3] if len(sys.argv) > 3 else "xla"
 if is_synthetic(CHECKPOINT):  # a benchmark model (`qwen3-next-h512`: hidden 512, MoE), seeded as the benchmarks seed it
     cfg = config(CHECKPOINT)
     params = init_params(cfg, 0)
@@ -32,7 +34,8 @@ out: dict[str, list] = {}
 
 def engine(max_seq_len: int = 256) -> Engine:
     flags = dict(max_batch_size="8", max_seq_len=max_seq_len, speculative=True, num_drafts=3, kv_cache_dtype=KV)
-    return Engine(cfg, params, resolve_settings({**flags, "batch_invariant": True}, None, auto_slots=8))
+    settings = resolve_settings({**flags, "batch_invariant": True}, None, auto_slots=8)
+    return Engine(cfg, params, settings, forward=FORWARD)
 
 
 def bits(x) -> bytes:

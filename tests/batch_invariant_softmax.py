@@ -1,7 +1,8 @@
 """The softmaxes of the batch-invariant mode against the rows around them, in a process with FMA contraction
 pinned (`tests/test_batch_invariant.py` starts it). Prints one JSON object {case: [row counts at which one of the
 first rows has other bits than it has computed alone]}: the fenced forms (`reductions.fenced`, `log_softmax(x,
-True)`) and, as the control, the unfenced ones they replace.
+True)`, the sampling law `sampling.probabilities` traced in the mode) and, as the control, the unfenced ones they
+replace.
 """
 
 from __future__ import annotations
@@ -18,15 +19,28 @@ def main() -> None:
     import numpy as np
 
     from kernels_pallas.reductions import fenced, log_softmax
+    from metrale_jax.engine.sampling import SamplingRows, probabilities
+    from metrale_jax.model.invariant import batch_invariant_products
 
     def router(fence: bool):  # the MoE router's softmax numerator over 8 experts
         return lambda x: jnp.exp(x - fenced(jnp.max(x, axis=-1, keepdims=True), fence))
+
+    def sampled(invariant: bool):  # the law a sampled row draws from (T 0.8), traced in the mode or not
+        def law(x):
+            rows = SamplingRows.padded(None, x.shape[0])
+            rows.temperature[:] = np.float32(0.8).view(np.int32)
+            with batch_invariant_products(invariant):
+                return probabilities(x, rows)
+
+        return law
 
     cases = {
         "router exp(x - max), fenced": (8, router(True)),
         "router exp(x - max), unfenced": (8, router(False)),
         "log_softmax, invariant": (2048, lambda x: log_softmax(x, True)),
         "log_softmax, jax": (2048, lambda x: log_softmax(x, False)),
+        "sampling probabilities, invariant": (2048, sampled(True)),
+        "sampling probabilities, default": (2048, sampled(False)),
     }
     out = {}
     for name, (width, fn) in cases.items():

@@ -7,7 +7,7 @@ Claims:
   refuses the mode where XLA still contracts FMAs (this test process: the pin is a process flag).
 - The rows kernel's invariant entry computes a row's product with the same bits at 1..40 rows, and
   `invariant_einsum` gives a row the same bits at any number of rows around it.
-- Under the mode, bit for bit (f32 KV; the fp8 KV contract is the diff's, `make demo`): a decode alone
+- Under the mode, bit for bit (f32 and fp8 KV; the `xla` forward and, on tiny, the `pallas` one): a decode alone
   equals the same decode in a batch of 4 (fragmented slots) and of 8; verify row j equals the plain decode
   after rows 0..j-1, and the state committed after the verdict equals the state after plain decodes of the
   accepted tokens; a prefill in chunks of 32 or 64 equals one pass; the MTP propose does not depend on the
@@ -136,13 +136,15 @@ def softmax_bits():
 
 
 def test_the_modes_softmaxes_do_not_depend_on_the_rows_around_them(softmax_bits):
-    """The MoE router's fenced softmax and the mode's log_softmax give a row the same bits alone and among 2 to
-    1,024 rows; the unfenced forms they replace do not (the control: the cases reach the sizes where XLA CPU's
+    """The MoE router's fenced softmax, the mode's log_softmax and the sampling law traced in the mode (its max
+    fenced) give a row the same bits alone and among 2 to 1,024 rows; the unfenced forms they replace do not (the control: the cases reach the sizes where XLA CPU's
     fusion or sum order changes)."""
     assert softmax_bits["router exp(x - max), fenced"] == []
     assert softmax_bits["log_softmax, invariant"] == []
     assert softmax_bits["router exp(x - max), unfenced"] != []
     assert softmax_bits["log_softmax, jax"] != []
+    assert softmax_bits["sampling probabilities, invariant"] == []
+    assert softmax_bits["sampling probabilities, default"] != []
 
 
 def _pinned(script: str, *argv: str) -> dict:
@@ -156,13 +158,14 @@ def _pinned(script: str, *argv: str) -> dict:
 
 @pytest.fixture(
     scope="module",
-    params=[("tiny", "f32"), ("tiny", "fp8"), ("fixtures/hf/qwen3_next_moe", "f32")],
-    ids=["tiny-f32", "tiny-fp8", "qwen3_next_moe-f32"],
+    params=[("tiny", "f32"), ("tiny", "fp8"), ("fixtures/hf/qwen3_next_moe", "f32"), ("tiny", "f32", "pallas")],
+    ids=["tiny-f32", "tiny-fp8", "qwen3_next_moe-f32", "tiny-f32-pallas"],
 )
 def contract(request):
     """{check: [compared parts, differing parts]} from the contract script on a model and KV dtype, with the FMA
     pin: tiny with a float32 and an fp8 KV (a narrow KV rounds each written row once, and every reader reads those
-    bytes), and the HF-layout MoE fixture."""
+    bytes), the HF-layout MoE fixture, and tiny on the `pallas` forward (the kernels' invariant configuration,
+    interpreted)."""
     return _pinned("batch_invariant_contract.py", *request.param)
 
 
