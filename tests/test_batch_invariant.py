@@ -137,8 +137,8 @@ def softmax_bits():
 
 def test_the_modes_softmaxes_do_not_depend_on_the_rows_around_them(softmax_bits):
     """The MoE router's fenced softmax, the mode's log_softmax and the sampling law traced in the mode (its max
-    fenced) give a row the same bits alone and among 2 to 1,024 rows; the unfenced forms they replace do not (the control: the cases reach the sizes where XLA CPU's
-    fusion or sum order changes)."""
+    fenced) give a row the same bits alone and among 2 to 1,024 rows; the unfenced forms they replace do not
+    (the control: the cases reach the sizes where XLA CPU's fusion or sum order changes)."""
     assert softmax_bits["router exp(x - max), fenced"] == []
     assert softmax_bits["log_softmax, invariant"] == []
     assert softmax_bits["router exp(x - max), unfenced"] != []
