@@ -7,7 +7,7 @@ Claims:
   refuses the mode where XLA still contracts FMAs (this test process: the pin is a process flag).
 - The rows kernel's invariant entry computes a row's product with the same bits at 1..40 rows, and
   `invariant_einsum` gives a row the same bits at any number of rows around it.
-- Under the mode, bit for bit (f32 and fp8 KV; the `xla` forward and, on tiny, the `pallas` one): a decode alone
+- Under the mode, bit for bit (f32, fp8 and bf16 KV; the `xla` forward and, on tiny, the `pallas` one): a decode alone
   equals the same decode in a batch of 4 (fragmented slots) and of 8; verify row j equals the plain decode
   after rows 0..j-1, and the state committed after the verdict equals the state after plain decodes of the
   accepted tokens; a prefill in chunks of 32 or 64 equals one pass; the MTP propose does not depend on the
@@ -158,12 +158,18 @@ def _pinned(script: str, *argv: str) -> dict:
 
 @pytest.fixture(
     scope="module",
-    params=[("tiny", "f32"), ("tiny", "fp8"), ("fixtures/hf/qwen3_next_moe", "f32"), ("tiny", "f32", "pallas")],
-    ids=["tiny-f32", "tiny-fp8", "qwen3_next_moe-f32", "tiny-f32-pallas"],
+    params=[
+        ("tiny", "f32"),
+        ("tiny", "fp8"),
+        ("tiny", "bf16"),
+        ("fixtures/hf/qwen3_next_moe", "f32"),
+        ("tiny", "f32", "pallas"),
+    ],
+    ids=["tiny-f32", "tiny-fp8", "tiny-bf16", "qwen3_next_moe-f32", "tiny-f32-pallas"],
 )
 def contract(request):
     """{check: [compared parts, differing parts]} from the contract script on a model and KV dtype, with the FMA
-    pin: tiny with a float32 and an fp8 KV (a narrow KV rounds each written row once, and every reader reads those
+    pin: tiny with a float32, an fp8 and a bfloat16 KV (a narrow KV rounds each written row once, and every reader reads those
     bytes), the HF-layout MoE fixture, and tiny on the `pallas` forward (the kernels' invariant configuration,
     interpreted)."""
     return _pinned("batch_invariant_contract.py", *request.param)
