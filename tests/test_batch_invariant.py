@@ -169,9 +169,9 @@ def _pinned(script: str, *argv: str) -> dict:
 )
 def contract(request):
     """{check: [compared parts, differing parts]} from the contract script on a model and KV dtype, with the FMA
-    pin: tiny with a float32, an fp8 and a bfloat16 KV (a narrow KV rounds each written row once, and every reader reads those
-    bytes), the HF-layout MoE fixture, and tiny on the `pallas` forward (the kernels' invariant configuration,
-    interpreted)."""
+    pin: tiny with a float32, an fp8 and a bfloat16 KV (a narrow KV rounds each written row once, and every reader
+    reads those bytes), the HF-layout MoE fixture, and tiny on the `pallas` forward (the kernels' invariant
+    configuration, interpreted)."""
     return _pinned("batch_invariant_contract.py", *request.param)
 
 
