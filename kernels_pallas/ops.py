@@ -267,9 +267,10 @@ class PallasOps:
 class PallasInvariantOps(PallasOps):
     """The `pallas` forward in the batch-invariant mode (`--batch-invariant`): the kernels in their
     batch-invariant configuration (`gdn.api`, `paged_attention.api`: fixed row blocks, and under the interpreter
-    the invariant references' products and fences, so each equals `InvariantOps`' twin bit for bit), the chunk
-    kernel as it is (its shapes are the chunk's), and `batch_invariant` set: the engine traces the products
-    through the rows kernel (`metrale_jax.model.invariant`) as for `InvariantOps`."""
+    the invariant references' products and fences, so the rows and attention kernels equal `InvariantOps`' twins
+    bit for bit), the chunk kernel as it is (its shapes are the chunk's whatever the prompt or batch; its 2-D
+    dots equal the twin's batched ones at some dims only), and `batch_invariant` set: the engine traces the
+    products through the rows kernel (`metrale_jax.model.invariant`) as for `InvariantOps`."""
 
     name: str = "pallas-batch-invariant"
     batch_invariant: bool = True

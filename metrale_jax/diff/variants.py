@@ -17,11 +17,11 @@ Invariants:
   bounded (`oracle.oracle_contract`, set by `applicable` for the engine); it runs in the verify
   modes and `--swap` (there: a run that never spilled, bit-identical).
 - Under `--batch-invariant` another forward (`pallas`) runs its kernels' batch-invariant configuration
-  interpreted and is declared bit-identical. Otherwise it is declared bounded: by `INTERPRETED_RTOL`
-  where its kernels run under the Pallas interpreter (CPU: each kernel is byte-equal to its reference
-  twin at the kernel tests' shapes, but XLA CPU contracts some multiply-adds into FMAs in a kernel
-  body and not in the twin's fusions at some batch widths: a few ULP), by `OTHER_FORWARD_RTOL` where
-  they are compiled (Triton: other reduction order).
+  interpreted, bounded by `INTERPRETED_RTOL` (`INVARIANT_KERNELS_CONTRACT`). Otherwise it is declared
+  bounded: by `INTERPRETED_RTOL` where its kernels run under the Pallas interpreter (CPU: each kernel
+  is byte-equal to its reference twin at the kernel tests' shapes, but XLA CPU contracts some
+  multiply-adds into FMAs in a kernel body and not in the twin's fusions at some batch widths: a few
+  ULP), by `OTHER_FORWARD_RTOL` where they are compiled (Triton: other reduction order).
 - A mesh variant (`tp2`, `tp2-ep2`) replays the reference's steps with the reference forward on
   the engine resharded over a (tp, ep) mesh (`Engine.set_mesh`): the partitioned products and
   all-reduces sum in another order, so it is declared bounded (`MESH_RTOL`); it runs only when
@@ -58,10 +58,13 @@ INTERPRETED_RTOL = 1e-5
 
 
 #: Another forward's contract under `--batch-invariant`: its kernels' batch-invariant configuration runs
-#: interpreted (the mode runs on CPU only), each kernel its invariant twin's arithmetic, bit for bit
-#: (`kernels_pallas.ops.PallasInvariantOps`).
-INVARIANT_KERNELS_CONTRACT = Contract(
-    reason="--batch-invariant: the kernels' invariant configuration, interpreted, is the xla forward's arithmetic"
+#: interpreted (the mode runs on CPU only; `kernels_pallas.ops.PallasInvariantOps`). The rows and attention
+#: kernels are their invariant twins' arithmetic bit for bit, but the chunk kernel's 2-D dots round as its
+#: twin's batched ones only at some dims (the qwen3_next_moe fixture, dv 12: the prefill 1 ULP apart), so
+#: against the xla forward it stays bounded; its own batch invariance is the contract's
+#: (tests/test_batch_invariant.py, `tiny-f32-pallas`).
+INVARIANT_KERNELS_CONTRACT = bounded(
+    INTERPRETED_RTOL, "--batch-invariant, the kernels' invariant configuration: the chunk kernel's dots at some dims"
 )
 
 #: The declared bound of a sharded replay: its partitioned sums round in another order, as compiled
