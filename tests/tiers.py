@@ -149,6 +149,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("test_sharding.py", SLOW, only=("test_bad_mesh_flags_are_one_error_line_exit_2",)),
     Rule("test_fp8_sharding.py", SLOW + SUBPROCESS + SHARDED, uses=("worker",)),
+    Rule("test_oracle_bound.py", SLOW, uses=("bf16_engine",)),
     Rule(
         "test_fp8_sharding.py",
         SLOW,
