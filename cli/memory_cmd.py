@@ -66,9 +66,9 @@ def plan(
     settings = resolve_settings(raw, behavior, auto_slots=min(concurrency, AUTO_MAX_SLOTS))
     tp, ep = settings.tensor_parallel_size, settings.expert_parallel_size
     check_mesh(source.config, tp, ep, tp * ep)  # the plan is for a machine of tp x ep such devices
-    check_fp8_blocks(fp8_abstract_params(source.config, source.quantization), source.config, tp)
     if activations:
         provide_host_devices(tp * ep)  # a one-device machine plans the mesh's per-device programs
+    check_fp8_blocks(fp8_abstract_params(source.config, source.quantization), source.config, tp)
     dtype_name = dtype or source.dtype
     served = parse_dtype(dtype_name)
     model = ActivationModel(source.config, served, quantization=source.quantization) if activations else None

@@ -21,13 +21,14 @@ from diff_mutants import MutantEngine, planted
 
 from metrale_jax.checkpoint import load_checkpoint
 from metrale_jax.diff import DiffRequest, run_diff
-from metrale_jax.diff.compare import Contract, Part, bounded, diff_part
+from metrale_jax.diff.compare import Contract, Part, Recording, bounded, diff_part
 from metrale_jax.diff.oracle import (
     ORACLE,
     ORACLE_CONTRACT,
     ORACLE_RTOL_ROUNDED,
     ORACLE_SIGMAS,
     compute_rtol,
+    excuse_last_draft_ties,
     oracle_contract,
     rounding_stages,
 )
@@ -89,3 +90,22 @@ def test_a_bf16_model_passes_the_oracle_and_a_planted_bug_fails_it(bf16_engine):
     with planted(bf16_engine, PLANTED):
         bug = run_diff(bf16_engine, VERIFY, variants)
     assert bug["verdict"] == "FAIL" and any("oracle" in r for r in bug["reasons"]), bug["reasons"]
+
+
+def _propose_step(logits, drafts):
+    return [
+        Part("propose logits", np.asarray(logits, np.float32), "logits"),
+        Part("drafts", np.asarray(drafts, np.int32), "tokens"),
+        Part("confidences", np.zeros(np.shape(drafts), np.float32), "values"),
+    ]
+
+
+def test_a_last_draft_flip_is_excused_only_within_the_references_gap():
+    contract = Contract(1e-2, "test", argmax_gap=True)
+    logits = [[1.0, 0.995, -1.0], [1.0, 0.9, -1.0], [1.0, 0.999, -1.0]]
+    view = Recording(prefill=[], steps=[_propose_step(logits, [[2, 0], [2, 0], [2, 0]])])
+    # row 0: last draft flips over a 0.005 gap; row 1: over a 0.1 gap; row 2: its first draft flips
+    run = Recording(prefill=[], steps=[_propose_step(logits, [[2, 1], [2, 1], [1, 1]])])
+    assert excuse_last_draft_ties(view, run, contract) == 1
+    assert run.steps[0][1].data.tolist() == [[2, 0], [2, 1], [1, 1]]
+    assert excuse_last_draft_ties(view, run, bounded(1e-2, "no gap rule")) == 0
