@@ -106,6 +106,7 @@ def test_a_last_draft_flip_is_excused_only_within_the_references_gap():
     view = Recording(prefill=[], steps=[_propose_step(logits, [[2, 0], [2, 0], [2, 0]])])
     # row 0: last draft flips over a 0.005 gap; row 1: over a 0.1 gap; row 2: its first draft flips
     run = Recording(prefill=[], steps=[_propose_step(logits, [[2, 1], [2, 1], [1, 1]])])
+    run.steps[0][1].data.flags.writeable = False  # as the engine's outputs are
     assert excuse_last_draft_ties(view, run, contract) == 1
     assert run.steps[0][1].data.tolist() == [[2, 0], [2, 1], [1, 1]]
     assert excuse_last_draft_ties(view, run, bounded(1e-2, "no gap rule")) == 0
