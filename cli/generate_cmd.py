@@ -50,12 +50,11 @@ from metrale_jax.engine.capacity import ladder_drafts
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.program_list import generation_programs
 from metrale_jax.engine.settings import format_k_ladder, resolve_settings
-from metrale_jax.engine.sharding import make_mesh
+from metrale_jax.engine.sharding import check_fp8_blocks, make_mesh, mesh_sizes
 from metrale_jax.engine.speculative import DraftSchedule, greedy_generate, speculative_generate
 from metrale_jax.engine.throughput import StepClock
 from metrale_jax.hub_cache import checkpoint_directory
 from metrale_jax.memory.plan import require_room, serve_pools
-from metrale_jax.model.fp8_linear import refuse_on_mesh
 from metrale_jax.presets import PRESETS, resolve_checkpoint
 from metrale_jax.research import ScheduleRun
 from metrale_jax.tokenizer import HFTokenizer, Tokenizer, stop_ids, tokenizer_for
@@ -202,7 +201,7 @@ def generate(
     raw.setdefault("max_seq_len", 16 * math.ceil(reached / 16))
     settings = resolve_settings(raw, None, auto_slots=1)
     mesh = make_mesh(cfg, settings.tensor_parallel_size, settings.expert_parallel_size)
-    refuse_on_mesh(params, mesh)
+    check_fp8_blocks(params, cfg, mesh_sizes(mesh)[0])
     require_room(
         f"the engine pool for {len(ids)} prompt + {max_new_tokens} new tokens"
         + (f" with {drafts} drafts" if drafts else "")

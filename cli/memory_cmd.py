@@ -17,8 +17,8 @@ import click
 
 from metrale_jax.engine.capacity import AUTO_MAX_SLOTS
 from metrale_jax.engine.settings import Provenance, resolve_settings
-from metrale_jax.engine.sharding import check_mesh, param_divisors
-from metrale_jax.memory.activations import ActivationModel, provide_host_devices
+from metrale_jax.engine.sharding import check_fp8_blocks, check_mesh, param_divisors
+from metrale_jax.memory.activations import ActivationModel, fp8_abstract_params, provide_host_devices
 from metrale_jax.memory.advice import concurrency_answer, isl_answer, warnings_for
 from metrale_jax.memory.devices import find_device
 from metrale_jax.memory.errors import PlanError
@@ -68,6 +68,7 @@ def plan(
     check_mesh(source.config, tp, ep, tp * ep)  # the plan is for a machine of tp x ep such devices
     if activations:
         provide_host_devices(tp * ep)  # a one-device machine plans the mesh's per-device programs
+    check_fp8_blocks(fp8_abstract_params(source.config, source.quantization), source.config, tp)
     dtype_name = dtype or source.dtype
     served = parse_dtype(dtype_name)
     model = ActivationModel(source.config, served, quantization=source.quantization) if activations else None
@@ -107,11 +108,8 @@ def plan(
         warnings=warnings_for(planner, ev)
         + ((model.cache_warning,) if model and model.cache_warning else ())
         + (
-            (
-                f"{source.quantization.method} weights: this engine serves them on one device only "
-                "(the plan is the mesh's share)",
-            )
-            if source.quantization and tp * ep > 1
+            (f"{source.quantization.method} weights: planned, not loaded by this engine (loadable: fp8)",)
+            if source.quantization and not source.quantization.loadable
             else ()
         ),
         activation_run=None

@@ -61,11 +61,12 @@ def meshes(cfg: ModelConfig, devices: int) -> list[tuple[int, int]]:
 
 
 def scenario(eng: Engine) -> list[np.ndarray]:
-    """The logits of every call of the scenario (float32, host)."""
+    """The logits of every call of the scenario (float32, host); prompt ids below min(256, vocabulary)."""
     rng = np.random.default_rng(5)
+    high = min(256, eng.cfg.vocab_size)
     a, b = eng.alloc_sequence(), eng.alloc_sequence()
-    out = [eng.prefill(a, [int(x) for x in rng.integers(0, 256, 21)])]
-    out.append(eng.prefill(b, [int(x) for x in rng.integers(0, 256, 9)]))
+    out = [eng.prefill(a, [int(x) for x in rng.integers(0, high, 21)])]
+    out.append(eng.prefill(b, [int(x) for x in rng.integers(0, high, 9)]))
     out.append(eng.decode_batch([a, b], [int(out[0].argmax()), int(out[1].argmax())]))
     last = [int(x) for x in out[2].reshape(2, -1).argmax(-1)]
     logits, _ = eng.verify_batched([a, b], [last[0], 3, 4, 5, last[1], 7], [4, 2])
@@ -98,7 +99,8 @@ def logits_agreement(devices: int, forward: str = "xla") -> dict:
 def speculative_agreement(eng: Engine) -> dict:
     """{composed, fused: speculative == greedy token for token; pool_copies of every program}."""
     rng = np.random.default_rng(3)
-    prompts = [[int(x) for x in rng.integers(0, 256, size=n)] for n in (9, 17, 30)]
+    high = min(256, eng.cfg.vocab_size)
+    prompts = [[int(x) for x in rng.integers(0, high, size=n)] for n in (9, 17, 30)]
     ref = greedy_generate(eng, prompts, 24)
     same = [speculative_generate(eng, prompts, 24, DraftSchedule(3), fused=f).tokens == ref for f in (False, True)]
     copies = sum(i.pool_copies for i in eng.programs.info.values())

@@ -196,15 +196,6 @@ def test_the_fp8_fixture_plan_counts_the_loaders_tensors_and_scales():
     assert file_scales <= held_scales <= 2 * file_scales
 
 
-def test_fp8_weights_refuse_a_device_mesh_in_one_line():
-    from metrale_jax.model.fp8_linear import Fp8MeshError, refuse_on_mesh
-
-    _, params = load_checkpoint(_dir("qwen3_5_dense_fp8"))
-    refuse_on_mesh(params, None)
-    with pytest.raises(Fp8MeshError, match="served on one device"):
-        refuse_on_mesh(params, object())
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_planned_step_programs_hold_the_fp8_leaves_the_loader_holds(name):
     """The planner compiles the step programs on abstract weights with the loader's FP8 leaves

@@ -148,6 +148,13 @@ RULES: tuple[Rule, ...] = (
         uses=("worker",),
     ),
     Rule("test_sharding.py", SLOW, only=("test_bad_mesh_flags_are_one_error_line_exit_2",)),
+    Rule("test_fp8_sharding.py", SLOW + SUBPROCESS + SHARDED, uses=("worker",)),
+    Rule("test_oracle_bound.py", SLOW, uses=("bf16_engine",)),
+    Rule(
+        "test_fp8_sharding.py",
+        SLOW,
+        only=("test_the_planner_refuses_an_fp8_mesh_that_cuts_a_block_and_plans_the_80b_at_tp2",),
+    ),
     # diff
     Rule(
         "test_diff.py",

@@ -32,6 +32,11 @@ Invariants:
 - Every pool leaf keeps its sharding across transitions (`programs.compile_transition`
   constrains the returned pool to the donated one's), so a step neither reshards nor copies it.
 - Host bookkeeping (slots, blocks, lengths) is global: no index is per device.
+- An FP8 leaf (`Fp8BlockWeight`) shards as its weight does: values, block scales and kept rows
+  (`tail`) each by the leaf's spec, the values and kept rows group-major over their own parts
+  and the scales over the same parts in blocks, so a device holds whole blocks with their scales.
+  Where a shard boundary would cut a block (a part's rows per device, or the columns per device,
+  not a multiple of the block) `fp8_block_cut` names the tensor and `shard_params` refuses.
 """
 
 from __future__ import annotations
@@ -44,11 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from metrale_jax.checkpoint import bindings
 from metrale_jax.config import ModelConfig
 from metrale_jax.engine.capacity import PoolCounts
 from metrale_jax.engine.pool import EnginePool, allocate_pool, pool_buffers
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.errors import MetraleError
+from metrale_jax.model.fp8_linear import Fp8BlockWeight
 from metrale_jax.model.linear import EXPERT_AXES, EXPERT_AXIS, TENSOR_AXIS
 from metrale_jax.params import attn_in_rows, dense_in_rows, param_specs, shared_in_rows
 
@@ -191,29 +198,120 @@ def _group_major_index(parts: tuple[int, ...], groups: int) -> np.ndarray:
     )
 
 
-def _param_layout(params: dict, cfg: ModelConfig, fn: Callable) -> dict:
-    """params with each leaf replaced by fn(leaf, trailing spec, parts or None)."""
+def _param_layout(params: dict, cfg: ModelConfig, fn: Callable, with_path: bool = False) -> dict:
+    """params with each leaf (an `Fp8BlockWeight` is one) replaced by fn(leaf, trailing spec, parts
+    or None), or fn(leaf, trailing, parts, path) with `with_path` (path: the leaf's keys)."""
 
-    def walk(node, block: str):
+    def walk(node, block: str, path: tuple):
         if isinstance(node, list):
-            return [walk(x, block) for x in node]
+            return [walk(x, block, (*path, i)) for i, x in enumerate(node)]
         if isinstance(node, dict):
             out = {}
             for k, v in node.items():
                 if isinstance(v, dict | list):
-                    out[k] = walk(v, "moe" if k == "mlp" and isinstance(v, dict) and "shared_down" in v else k)
+                    moe = k == "mlp" and isinstance(v, dict) and "shared_down" in v
+                    out[k] = walk(v, "moe" if moe else k, (*path, k))
                 else:
                     trailing, parts = PARAM_LAYOUT.get((block, k), ((), None))
-                    out[k] = fn(v, trailing, parts(cfg) if parts else None)
+                    args = (v, trailing, parts(cfg) if parts else None)
+                    out[k] = fn(*args, (*path, k)) if with_path else fn(*args)
             return out
         return node
 
-    return walk(params, "")
+    return walk(params, "", ())
+
+
+def _fp8_parts(x: Fp8BlockWeight, parts: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The row parts of an FP8 leaf's values and of its kept rows (`tail`): the leaf's parts (one
+    part of all its rows when not group-major) split where the values end."""
+    rows = x.q.shape[-2]
+    tail = 0 if x.tail is None else x.tail.shape[-2]
+    parts = parts or (rows + tail,)
+    ends = np.cumsum(parts)
+    cut = int(np.searchsorted(ends, rows, side="right"))
+    if rows and (cut == 0 or ends[cut - 1] != rows):
+        raise MeshError(f"an FP8 leaf of {rows} converted rows does not end at a part of {list(parts)}")
+    return tuple(parts[:cut]), tuple(parts[cut:])
+
+
+def fp8_block_cut(
+    x: Fp8BlockWeight, trailing: tuple, parts: tuple[int, ...] | None, tp: int
+) -> tuple[int | None, str] | None:
+    """Where and why sharding FP8 leaf `x` by `trailing` over `tp` tensor groups would cut one of
+    its scale blocks: (the cut part's first row, or None for the columns; the reason), None when
+    every device holds whole blocks. Each converted part's rows per device must be a multiple of
+    the block's rows (row-sharded leaves), the columns per device of its columns (column-sharded);
+    an expert axis splits whole experts."""
+    if tp == 1 or TP not in trailing:
+        return None
+    rb, cb = x.block
+    if len(trailing) - 1 - trailing.index(TP) == 1:  # the rows
+        start = 0
+        for n in _fp8_parts(x, parts)[0]:
+            if n % (tp * rb):
+                return (
+                    start,
+                    f"a part of {n} rows split {tp} ways is {n / tp:g} rows a device, not whole {rb}-row blocks",
+                )
+            start += n
+        return None
+    cols = x.q.shape[-1]
+    if cols % (tp * cb):
+        return None, f"its {cols} columns split {tp} ways are {cols / tp:g} a device, not whole {cb}-column blocks"
+    return None
+
+
+def _fp8_tensor_name(cfg: ModelConfig, path: tuple, row: int | None) -> str:
+    """The checkpoint tensor holding row `row` (None: the first tensor) of the leaf at `path`
+    (found by assembling the binding from its tensors' indices); the path when no binding has it."""
+    b = next((b for b in bindings(cfg) if tuple(b.path) == tuple(path)), None)
+    if b is None:
+        return ".".join(map(str, path))
+    if row is None:
+        return b.names[0]
+    marks = b.assemble([np.full((*shape[:-1], 1), i) for i, shape in enumerate(b.shapes)])
+    return b.names[int(np.asarray(marks).reshape(-1, marks.shape[-2])[0, row])]
+
+
+def check_fp8_blocks(params: dict, cfg: ModelConfig, tp: int) -> None:
+    """Raise MeshError (one line, naming the checkpoint tensor) where a `tp`-way shard boundary
+    would cut an FP8 leaf's scale block (`fp8_block_cut`); a no-op without FP8 leaves."""
+
+    def check(x, trailing, parts, path):
+        cut = fp8_block_cut(x, trailing, parts, tp) if isinstance(x, Fp8BlockWeight) else None
+        if cut:
+            raise MeshError(
+                f"FP8 tensor {_fp8_tensor_name(cfg, path, cut[0])}: --tensor-parallel-size {tp} cuts its "
+                f"{x.block[0]}x{x.block[1]} scale blocks ({cut[1]})"
+            )
+        return x
+
+    _param_layout(params, cfg, check, with_path=True)
+
+
+def _fp8_arrays(x: Fp8BlockWeight, trailing: tuple, parts: tuple[int, ...] | None, fn: Callable):
+    """`x` with fn(array, trailing, array parts or None) applied to its values, block scales and kept
+    rows; a group-major leaf's values and tail take their own parts, the scales the values' in blocks."""
+    q_parts, tail_parts = _fp8_parts(x, parts) if parts else ((), ())
+    scale_parts = tuple(n // x.block[0] for n in q_parts) if parts else None
+    return Fp8BlockWeight(
+        fn(x.q, trailing, q_parts or None),
+        fn(x.scale, trailing, scale_parts),
+        None if x.tail is None else fn(x.tail, trailing, tail_parts or None),
+        x.block,
+    )
 
 
 def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh | AbstractMesh) -> dict:
-    """The NamedSharding of every leaf of `params` (list or scan layout, arrays or shape structs)."""
-    return _param_layout(params, cfg, lambda x, trailing, _: NamedSharding(mesh, _spec(trailing, x.ndim)))
+    """The NamedSharding of every leaf of `params` (list or scan layout, arrays or shape structs; an
+    FP8 leaf's values, scales and kept rows each by the leaf's spec)."""
+
+    def sharding(x, trailing, parts):
+        if isinstance(x, Fp8BlockWeight):
+            return _fp8_arrays(x, trailing, parts, lambda a, t, _: sharding(a, t, None))
+        return NamedSharding(mesh, _spec(trailing, x.ndim))
+
+    return _param_layout(params, cfg, sharding)
 
 
 def _regroup(x, axis: int, parts: tuple[int, ...], tp: int, inverse: bool):
@@ -230,10 +328,14 @@ def _param_axis(x, trailing: tuple[str | None, ...]) -> int:
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """`params` (checkpoint order) on the mesh: group-major leaves reordered for the mesh's tp
-    groups (along the axis the table shards), then each leaf placed with its sharding."""
+    groups (along the axis the table shards), then each leaf placed with its sharding. Raises
+    MeshError where a shard boundary cuts an FP8 scale block (`check_fp8_blocks`)."""
     tp, _ = mesh_sizes(mesh)
+    check_fp8_blocks(params, cfg, tp)
 
     def place(x, trailing, parts):
+        if isinstance(x, Fp8BlockWeight):
+            return _fp8_arrays(x, trailing, parts, place)
         x = x if parts is None else _regroup(x, _param_axis(x, trailing), parts, tp, inverse=False)
         return jax.device_put(x, NamedSharding(mesh, _spec(trailing, x.ndim)))
 
@@ -245,6 +347,8 @@ def unshard_params(params: dict, cfg: ModelConfig, mesh: Mesh | None) -> dict:
     tp, _ = mesh_sizes(mesh)
 
     def back(x, trailing, parts):
+        if isinstance(x, Fp8BlockWeight):
+            return _fp8_arrays(x, trailing, parts, back)
         x = jax.device_put(x, jax.devices()[0])
         return x if parts is None else _regroup(x, _param_axis(x, trailing), parts, tp, inverse=True)
 

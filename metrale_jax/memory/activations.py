@@ -156,6 +156,12 @@ def quantised_abstract(params: Any, cfg: ModelConfig, quant: Quantization | None
     return params
 
 
+def fp8_abstract_params(cfg: ModelConfig, quant: Quantization | None) -> Any:
+    """The abstract parameter tree the loader builds for `cfg` in weight format `quant`
+    (`quantised_abstract` over `init_params`' shapes): what a mesh's FP8 block check reads."""
+    return quantised_abstract(jax.eval_shape(lambda: init_params(cfg, 0, jnp.bfloat16)), cfg, quant)
+
+
 def provide_host_devices(count: int) -> None:
     """Make XLA's CPU client start with at least `count` host devices, so the step programs of a
     tp x ep mesh compile on a one-device machine with no `XLA_FLAGS` set by the user.

@@ -11,8 +11,10 @@ Invariants:
 - The model is never held dequantised: each product dequantises its own weight inside the step
   program (a transient of that one product, in the activation dtype) and multiplies; between
   products only the e4m3 values and the scales live.
-- FP8 leaves serve on one device: `refuse_on_mesh` refuses a tensor/expert-parallel mesh in one
-  line (their shardings are not written).
+- Under a tensor axis of N groups a leaf with kept rows is group-major over both kinds
+  (`metrale_jax.engine.sharding`): the values' rows and the kept rows each in N groups; the
+  dequantised weight interleaves them group by group (`dequantise(dtype, groups=N)`), so every
+  device's rows stay its own and the product's split (`linear.split_groups`) sees one group-major leaf.
 - The dequantised value is `(f32(q) * f32(scale))` cast to the activation dtype: what a CPU
   reference that dequantises per block and multiplies in bf16/f32 computes (not the GPU engines'
   dynamic per-token activation quantisation, whose result differs by the activation's rounding).
@@ -26,8 +28,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 from flax import struct
-
-from metrale_jax.errors import MetraleError
 
 #: The stored dtype of a converted weight (safetensors `F8_E4M3`).
 FP8_DTYPE = ml_dtypes.float8_e4m3fn
@@ -70,39 +70,29 @@ class Fp8BlockWeight:
         with the two full matrix slices."""
         return self.map(lambda a: a[index])
 
-    def dequantise(self, dtype) -> jax.Array:
-        """The [..., out, in] weight in `dtype`: each block's values times its scale, in f32, cast."""
+    def dequantise(self, dtype, groups: int = 1) -> jax.Array:
+        """The [..., out, in] weight in `dtype`: each block's values times its scale, in f32, cast;
+        the kept rows after the values' rows in each of `groups` row groups (1: after all of them)."""
         rows, cols = self.q.shape[-2:]
         rb, cb = self.block
         scale = jnp.repeat(jnp.repeat(self.scale, rb, axis=-2)[..., :rows, :], cb, axis=-1)[..., :cols]
         w = (self.q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
         if self.tail is None:
             return w
-        return jnp.concatenate([w, self.tail.astype(dtype)], axis=-2)
+        lead = w.shape[:-2]
+        w = w.reshape(*lead, groups, rows // groups, cols)
+        tail = self.tail.astype(dtype).reshape(*lead, groups, -1, cols)
+        return jnp.concatenate([w, tail], axis=-2).reshape(*self.shape)
 
 
-def dense_weight(w, x):
+def dense_weight(w, x, groups: int = 1):
     """`w` as an array for a product with activations `x` (in x's dtype): an `Fp8BlockWeight`
-    dequantised (inside the calling program; see the header), anything else as it is.
+    dequantised (inside the calling program; see the header; `groups`: its row groups, the
+    tensor axis's shards for a group-major leaf), anything else as it is.
     NOTE: the barrier orders the dequantisation after x: the values depend on no activation, and
     XLA CPU scheduled every layer's dequantised copy at the program's start (the planner measured
     152 GB of temporaries, the model in bf16, for the 80B FP8 prefill). A no-op on values."""
     if not isinstance(w, Fp8BlockWeight):
         return w
     _, w = jax.lax.optimization_barrier((x, w))
-    return w.dequantise(x.dtype)
-
-
-class Fp8MeshError(MetraleError, ValueError):
-    """FP8 weights asked to run under a device mesh."""
-
-
-def refuse_on_mesh(params, mesh) -> None:
-    """Raise Fp8MeshError when `params` holds FP8 leaves and `mesh` is a tensor/expert-parallel
-    mesh (not None): FP8 checkpoints serve on one device."""
-    fp8 = any(
-        isinstance(x, Fp8BlockWeight)
-        for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, Fp8BlockWeight))
-    )
-    if fp8 and mesh is not None:
-        raise Fp8MeshError("FP8 checkpoints are served on one device: drop --tensor/--expert-parallel-size")
+    return w.dequantise(x.dtype, groups)

@@ -228,4 +228,5 @@ def linear_parts(x, w, rows: tuple[int, ...], groups: int | None = None) -> tupl
     `metrale_jax.params`).
     """
     chex.assert_equal(tuple(w.shape), (sum(rows), x.shape[-1]))
-    return split_groups(linear(x, w), rows, tensor_groups() if groups is None else groups)
+    groups = tensor_groups() if groups is None else groups
+    return split_groups(linear(x, dense_weight(w, x, groups)), rows, groups)
