@@ -478,7 +478,8 @@ class Study:
     `tokenizer`: the checkpoint's (None when it has none), for `heldout_prompts` and decoding.
 
     At most one speculative serve is live (plus the plain one): building another releases it,
-    and `sweep` and `throughput` release every serve when they move to the next width.
+    and `sweep` and `throughput` release every serve when they move to another width than the
+    one the serves last ran at in either (so a study loops widths outermost).
     NOTE: XLA CPU maps each kernel of a loaded program as an object of its own (~400 memory
     mappings a program); a study that kept every serve of every width alive reached
     `vm.max_map_count` (65,530) and aborted (`LLVM ERROR: Unable to allocate section memory`).
@@ -501,6 +502,7 @@ class Study:
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.max_width, self.max_drafts, self.max_seq_len = max_width, max_drafts, max_seq_len
         self._engines: dict[tuple[int | None, str], Engine] = {}
+        self._width: int | None = None  # the width `sweep` or `throughput` last ran the serves at
 
     @property
     def engine(self) -> Engine:
@@ -548,6 +550,12 @@ class Study:
     def release(self) -> None:
         """Drop every serve and its compiled programs; the next run builds what it needs."""
         self._release(lambda _key: True)
+
+    def _at_width(self, width: int) -> None:
+        """Release every serve unless they last ran at `width` (a width's programs serve no other)."""
+        if width != self._width:
+            self.release()
+        self._width = width
 
     def _release(self, which) -> None:
         """Drop the serves whose key `which` selects, then collect them (an engine's reference
@@ -606,7 +614,7 @@ class Study:
         """Every (schedule, width): one row {label, num_drafts, width, run, **run.summary()}."""
         rows = []
         for w in widths:
-            self.release()  # a width's programs serve no other width
+            self._at_width(w)
             for label, sched in schedules.items():
                 run = self.run(prompts, max_new_tokens, sched, width=w)
                 rows.append({"label": label, "num_drafts": sched.num_drafts, "width": w, "run": run, **run.summary()})
@@ -703,7 +711,7 @@ class Study:
         out = []
         for w in widths:
             batch = [list(p) for p in prompts[:w]]
-            self.release()  # a width's programs serve no other width
+            self._at_width(w)
             out += [
                 self._timed(label, sched, batch, max_new_tokens, repeats, fused, sampling, speculative_sampling)
                 for label, sched in schedules.items()
