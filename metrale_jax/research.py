@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import os
 import platform
 from collections.abc import Iterable, Sequence
@@ -471,10 +472,19 @@ class Study:
     """A model under study. Its schedule runs share one speculative engine (`engine`) sized for
     `max_width` sequences of `max_seq_len` tokens with a flat capacity of `max_drafts` drafts per
     slot (so any schedule up to `max_drafts` fits at any width; the schedule decides what is
-    used), and the engine compiles each program once for the whole study. Sampled runs in
+    used), and the engine compiles each program once while it lives. Sampled runs in
     rejection mode run on its twin, `serving(max_drafts, "rejection")`. Wall-clock measurements
     run on `serving` engines instead: a plain serve and one serve per draft count.
     `tokenizer`: the checkpoint's (None when it has none), for `heldout_prompts` and decoding.
+
+    At most one speculative serve is live (plus the plain one): building another releases it,
+    and `sweep` and `throughput` release every serve when they move to another width than the
+    one the serves last ran at in either (so a study loops widths outermost).
+    NOTE: XLA CPU maps each kernel of a loaded program as an object of its own (~400 memory
+    mappings a program); a study that kept every serve of every width alive reached
+    `vm.max_map_count` (65,530) and aborted (`LLVM ERROR: Unable to allocate section memory`).
+    A released serve's programs are freed with it; rebuilding one recompiles, which JAX's
+    persistent compilation cache makes cheap.
     """
 
     def __init__(
@@ -492,6 +502,7 @@ class Study:
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.max_width, self.max_drafts, self.max_seq_len = max_width, max_drafts, max_seq_len
         self._engines: dict[tuple[int | None, str], Engine] = {}
+        self._width: int | None = None  # the width `sweep` or `throughput` last ran the serves at
 
     @property
     def engine(self) -> Engine:
@@ -514,6 +525,8 @@ class Study:
             )
         key = (num_drafts, "gumbel" if num_drafts is None else speculative_sampling)
         if key not in self._engines:
+            if num_drafts is not None:
+                self._release(lambda k: k[0] is not None)
             raw: dict = {
                 "max_batch_size": str(self.max_width),
                 "max_seq_len": self.max_seq_len,
@@ -529,6 +542,27 @@ class Study:
                 }
             self._engines[key] = Engine(self.cfg, self.params, resolve_settings(raw, None, auto_slots=self.max_width))
         return self._engines[key]
+
+    def live_serves(self) -> list[tuple[int | None, str]]:
+        """The (num_drafts, mode) of every serve alive now (None: the plain serve)."""
+        return list(self._engines)
+
+    def release(self) -> None:
+        """Drop every serve and its compiled programs; the next run builds what it needs."""
+        self._release(lambda _key: True)
+
+    def _at_width(self, width: int) -> None:
+        """Release every serve unless they last ran at `width` (a width's programs serve no other)."""
+        if width != self._width:
+            self.release()
+        self._width = width
+
+    def _release(self, which) -> None:
+        """Drop the serves whose key `which` selects, then collect them (an engine's reference
+        cycles would otherwise keep its programs, and their mappings, until a later collection)."""
+        for key in [k for k in self._engines if which(k)]:
+            del self._engines[key]
+        gc.collect()
 
     def _groups(self, prompts, max_new_tokens: int, width: int | None):
         width = width or len(prompts)
@@ -579,8 +613,9 @@ class Study:
     ) -> list[dict]:
         """Every (schedule, width): one row {label, num_drafts, width, run, **run.summary()}."""
         rows = []
-        for label, sched in schedules.items():
-            for w in widths:
+        for w in widths:
+            self._at_width(w)
+            for label, sched in schedules.items():
                 run = self.run(prompts, max_new_tokens, sched, width=w)
                 rows.append({"label": label, "num_drafts": sched.num_drafts, "width": w, "run": run, **run.summary()})
         return rows
@@ -665,40 +700,54 @@ class Study:
             raise ValueError(
                 f"max_new_tokens {max_new_tokens} must be >= 2: the steady state is the steps after the prefill"
             )
-        out = []
-        for label, sched in schedules.items():
+        for sched in schedules.values():
             if not 1 <= sched.num_drafts <= self.max_drafts:
                 raise ValueError(f"num_drafts {sched.num_drafts} outside 1..{self.max_drafts} (the study's max_drafts)")
-            for w in widths:
-                if w > len(prompts):
-                    raise ValueError(f"width {w} is over the {len(prompts)} prompts given")
-                batch = [list(p) for p in prompts[:w]]
-                self._groups(batch, max_new_tokens, w)
-                each = (
-                    None
-                    if sampling is None
-                    else [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(w)]
-                )
-                plain, spec = self.serving(None), self.serving(sched.num_drafts, speculative_sampling)
-                plain_run = functools.partial(greedy_generate, plain, batch, max_new_tokens, sampling=each)
-                speculative = functools.partial(
-                    speculative_generate, spec, batch, max_new_tokens, sched, fused=fused, sampling=each
-                )
-                plain_run()
-                steps = len(speculative().steps)
-                tokens = w * (max_new_tokens - 1)
-                seconds = np.array(
-                    [
-                        [_steady_seconds(plain, plain_run, tokens), _steady_seconds(spec, speculative, tokens)]
-                        for _ in range(repeats)
-                    ]
-                )
-                out.append(
-                    Throughput(
-                        label, sched, w, tokens, steps, seconds[:, 0], seconds[:, 1], sampling, speculative_sampling
-                    )
-                )
+        widths = tuple(widths)
+        for w in widths:
+            if w > len(prompts):
+                raise ValueError(f"width {w} is over the {len(prompts)} prompts given")
+            self._groups(prompts[:w], max_new_tokens, w)
+        out = []
+        for w in widths:
+            batch = [list(p) for p in prompts[:w]]
+            self._at_width(w)
+            out += [
+                self._timed(label, sched, batch, max_new_tokens, repeats, fused, sampling, speculative_sampling)
+                for label, sched in schedules.items()
+            ]
         return out
+
+    def _timed(
+        self,
+        label: str,
+        sched: DraftSchedule,
+        batch: list[list[int]],
+        max_new_tokens: int,
+        repeats: int,
+        fused: bool,
+        sampling: Sampling | None,
+        speculative_sampling: str,
+    ) -> Throughput:
+        """One `throughput` row: `batch` on the plain serve against the serve of `sched`.
+        NOTE: its own frame, so no local keeps a serve alive once `serving` or `release` drops it."""
+        w = len(batch)
+        each = None if sampling is None else [dataclasses.replace(sampling, seed=sampling.seed + i) for i in range(w)]
+        plain, spec = self.serving(None), self.serving(sched.num_drafts, speculative_sampling)
+        plain_run = functools.partial(greedy_generate, plain, batch, max_new_tokens, sampling=each)
+        speculative = functools.partial(
+            speculative_generate, spec, batch, max_new_tokens, sched, fused=fused, sampling=each
+        )
+        plain_run()
+        steps = len(speculative().steps)
+        tokens = w * (max_new_tokens - 1)
+        seconds = np.array(
+            [
+                [_steady_seconds(plain, plain_run, tokens), _steady_seconds(spec, speculative, tokens)]
+                for _ in range(repeats)
+            ]
+        )
+        return Throughput(label, sched, w, tokens, steps, seconds[:, 0], seconds[:, 1], sampling, speculative_sampling)
 
 
 def _steady_seconds(engine: Engine, generate, tokens: int) -> float:

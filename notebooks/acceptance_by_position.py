@@ -185,22 +185,24 @@ print(f"rejection: composed loop == fused step at T {t_check} for all", len(prom
 # %%
 SPEED_WIDTHS, SPEED_REPEATS = ((1,), 1) if FAST else ((1, WIDTH), 5)
 schedule = {f"flat {NUM_DRAFTS}": research.flat_schedule(NUM_DRAFTS)}
-speed: dict[tuple[str, float], list[research.Throughput]] = {}
-for mode in MODES:
-    for t in TEMPERATURES:
-        if t == 0 and mode != MODES[0]:
-            speed[mode, t] = speed[MODES[0], t]
-            continue
-        plain_law = None if t == 0 else Sampling(temperature=t, top_p=0.9, seed=7)
-        speed[mode, t] = study.throughput(
-            prompts,
-            NEW_TOKENS,
-            schedule,
-            SPEED_WIDTHS,
-            repeats=SPEED_REPEATS,
-            sampling=plain_law,
-            speculative_sampling=mode,
-        )
+speed: dict[tuple[str, float], list[research.Throughput]] = {(mode, t): [] for mode in MODES for t in TEMPERATURES}
+for w in SPEED_WIDTHS:  # widths outermost: the study keeps one width's serves live
+    for mode in MODES:
+        for t in TEMPERATURES:
+            if t == 0 and mode != MODES[0]:
+                continue  # greedy: the same run in either mode
+            plain_law = None if t == 0 else Sampling(temperature=t, top_p=0.9, seed=7)
+            speed[mode, t] += study.throughput(
+                prompts,
+                NEW_TOKENS,
+                schedule,
+                (w,),
+                repeats=SPEED_REPEATS,
+                sampling=plain_law,
+                speculative_sampling=mode,
+            )
+for mode in MODES[1:]:
+    speed[mode, 0.0] = speed[MODES[0], 0.0]
 print(f"speculative / plain tokens/s, {NUM_DRAFTS} drafts, fused, median of {SPEED_REPEATS} alternated runs")
 for t in TEMPERATURES:
     for mode in MODES:

@@ -17,6 +17,7 @@ import types
 import numpy as np
 import pytest
 from conftest import settings
+from conversations import conversations, random_tokens
 from test_engine import _poison_except
 
 from metrale_jax.diff import render_summary, run_diff
@@ -45,10 +46,6 @@ def _engine(tiny, block_size=16, cache=True, chunk=8192) -> Engine:
             settings(**flags, enable_prefix_caching=cache, ssm_cache_slots=4, max_prefill_tokens=chunk),
         )
     return ENGINES[key]
-
-
-def _tokens(seed: int, n: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(0, 256, size=n)]
 
 
 def _ns_name() -> str:
@@ -102,7 +99,7 @@ def test_restored_prefill_equals_computed_bytewise(tiny, length, tail, chunk, bl
     eng = _engine(tiny, block_size)
     eng.set_forward(forward)
     try:
-        prompt, full = _tokens(length, length), _tokens(length, length) + _tokens(tail, tail)
+        prompt, full = random_tokens(length, length), random_tokens(length, length) + random_tokens(tail, tail)
         ns = _ns_name()
         _prime(eng, prompt, chunk, ns)
         got, s = _prefilled(eng, ns, [full], chunk)
@@ -124,20 +121,6 @@ def test_restored_prefill_equals_computed_bytewise(tiny, length, tail, chunk, bl
         eng.set_forward("xla")
 
 
-def _conversations(eng, turns, generate):
-    """Two conversations sharing a system prompt, each turn's prompt its whole history plus a new
-    user message, run concurrently through `generate(engine, prompts)`. Returns every turn's
-    tokens."""
-    system = _tokens(1, 40)
-    history = [system + _tokens(10 + c, 5 + 3 * c) for c in range(2)]
-    out = []
-    for t in range(turns):
-        got = generate(eng, history)
-        out.append(got)
-        history = [h + g + _tokens(100 * t + c, 7 + 4 * c) for c, (h, g) in enumerate(zip(history, got))]
-    return out
-
-
 @pytest.mark.parametrize("num_drafts", [1, 2, 3])
 def test_speculative_with_prefix_cache_equals_greedy_without(tiny, num_drafts):
     """Multi-turn conversations (misses, partial hits on the shared system prompt, hits on each
@@ -146,10 +129,10 @@ def test_speculative_with_prefix_cache_equals_greedy_without(tiny, num_drafts):
     on, off = _engine(tiny, chunk=32), _engine(tiny, cache=False, chunk=32)
     on.blocks.default_namespace = _ns_name()
     hits = on.blocks.prefix.hits if on.blocks.prefix else 0
-    cached = _conversations(
+    cached = conversations(
         on, 3, lambda e, ps: speculative_generate(e, ps, 10, DraftSchedule(num_drafts), fused=num_drafts != 2).tokens
     )
-    plain = _conversations(off, 3, lambda e, ps: greedy_generate(e, ps, 10))
+    plain = conversations(off, 3, lambda e, ps: greedy_generate(e, ps, 10))
     assert cached == plain
     assert on.blocks.prefix is not None and on.blocks.prefix.hits - hits >= 5
 
@@ -160,7 +143,7 @@ def test_snapshot_slot_reused_after_lru_eviction_holds_the_new_prefix(tiny):
     never the evicted one's."""
     eng = _engine(tiny)
     ns = _ns_name()
-    prompts = [_tokens(200 + i, 20 + i) for i in range(5)]
+    prompts = [random_tokens(200 + i, 20 + i) for i in range(5)]
     evictions = eng.blocks.prefix.snapshots.evictions if eng.blocks.prefix else 0
     for p in prompts:
         _prime(eng, p, 16, ns)
@@ -184,12 +167,12 @@ def test_snapshot_never_includes_rejected_draft_rows(tiny):
     eng = _engine(tiny)
     ns = _ns_name()
     a = eng.alloc_sequence(ns)
-    last = int(eng.prefill(a, _tokens(5, 23)).argmax())
+    last = int(eng.prefill(a, random_tokens(5, 23)).argmax())
     eng.verify_batched([a], [last, 9, 9, 9], [4])
     eng.accept([a], [0])  # rows 1..3 rejected: their KV, GDN and drafter rows are junk
-    eng.prefill(a, _tokens(6, 48 - a.seq_len))  # the next turn ends block-aligned: a snapshot
+    eng.prefill(a, random_tokens(6, 48 - a.seq_len))  # the next turn ends block-aligned: a snapshot
     assert a.seq_len == 48
-    tail = _tokens(7, 11)
+    tail = random_tokens(7, 11)
     b = eng.alloc_sequence(ns)
     got_b = eng.prefill(b, a.tokens + tail)
     got_a = eng.prefill(a, tail)
@@ -206,7 +189,7 @@ def test_cache_hit_then_immediate_propose_drafts_as_computed(tiny):
     """Right after a restored prefill, the MTP drafter proposes exactly what it proposes after the
     computed one (the stash and the drafter's KV context restored): drafts, confidences, logits."""
     eng = _engine(tiny)
-    ns, full = _ns_name(), _tokens(8, 60)
+    ns, full = _ns_name(), random_tokens(8, 60)
     _prime(eng, full[:50], None, ns)
     got, s = _prefilled(eng, ns, [full], None)
     ref, r = _computed(eng, full, 48, None)
@@ -224,11 +207,11 @@ def test_cache_hit_then_immediate_propose_drafts_as_computed(tiny):
 def _diverging(eng, poison: bool):
     """Prime a shared prefix, restore two sequences diverging after it (both live over the same
     blocks), optionally NaN-poison everything they do not own, then decode and propose."""
-    ns, shared = _ns_name(), _tokens(9, 40)
+    ns, shared = _ns_name(), random_tokens(9, 40)
     _prime(eng, shared, None, ns)
     seqs = [eng.alloc_sequence(ns) for _ in range(2)]
     try:
-        outs = [eng.prefill(s, shared + _tokens(20 + i, 5 + 6 * i)) for i, s in enumerate(seqs)]
+        outs = [eng.prefill(s, shared + random_tokens(20 + i, 5 + 6 * i)) for i, s in enumerate(seqs)]
         assert [s.restored_at for s in seqs] == [32, 32]
         assert seqs[0].blocks[:2] == seqs[1].blocks[:2]
         if poison:
@@ -261,9 +244,9 @@ def test_evicting_a_referenced_block_is_refused_and_exhaustion_evicts_the_lru(ti
     eng = _engine(tiny)
     assert eng.blocks.prefix is not None
     ns = _ns_name()
-    _prime(eng, _tokens(11, 40), None, ns)
+    _prime(eng, random_tokens(11, 40), None, ns)
     s = eng.alloc_sequence(ns)
-    eng.prefill(s, _tokens(11, 40) + [5])
+    eng.prefill(s, random_tokens(11, 40) + [5])
     shared = s.blocks[0]
     assert eng.blocks.prefix.kv.refs(shared) == 1
     with pytest.raises(EngineError, match="referenced"):
@@ -330,9 +313,9 @@ def test_diff_cached_leg_fails_on_a_wrong_snapshot_and_on_no_restore(tiny, monke
     leaf; a leg whose prime left no snapshot FAILs for not restoring."""
     eng = _engine(tiny)
     assert eng.blocks.prefix is not None
-    prompt, tail = _tokens(30, 64), _tokens(31, 37)
+    prompt, tail = random_tokens(30, 64), random_tokens(31, 37)
     ref = Variant(REFERENCE, REFERENCE)
-    _prime(eng, _tokens(32, 64), None, _ns_name())  # another prefix in another snapshot slot
+    _prime(eng, random_tokens(32, 64), None, _ns_name())  # another prefix in another snapshot slot
     right = eng.blocks.prefix.longest
 
     def wrong(namespace, tokens):
@@ -346,7 +329,7 @@ def test_diff_cached_leg_fails_on_a_wrong_snapshot_and_on_no_restore(tiny, monke
     assert entry["comparisons"][0]["state_diff"] is not None
     monkeypatch.setattr(eng.blocks.prefix, "longest", right)
     monkeypatch.setattr(eng.blocks.prefix.snapshots, "claim", lambda key, position: None)
-    entry, reason = cached_leg(eng, ref, "single", None, _tokens(33, 64), tail)
+    entry, reason = cached_leg(eng, ref, "single", None, random_tokens(33, 64), tail)
     assert entry["taken"] == "computed" and reason and "did not restore" in reason
 
 
@@ -355,7 +338,7 @@ def test_a_refused_restore_gives_its_shared_blocks_back(tiny, monkeypatch):
     references are back, the sequence is still fresh, and a later prefill restores normally."""
     eng = _engine(tiny)
     assert eng.blocks.prefix is not None
-    ns, prompt = _ns_name(), _tokens(40, 40)
+    ns, prompt = _ns_name(), random_tokens(40, 40)
     _prime(eng, prompt, None, ns)
     s = eng.alloc_sequence(ns)
     refs = [eng.blocks.prefix.kv.refs(b) for b in range(eng.counts.kv_blocks - 1)]
@@ -401,7 +384,7 @@ def test_block_accounting_holds_through_random_sharing_and_eviction(tiny):
     or leaked."""
     eng = _engine(tiny)
     rng = np.random.default_rng(5)
-    ns, stems = _ns_name(), [_tokens(50 + i, 160) for i in range(2)]
+    ns, stems = _ns_name(), [random_tokens(50 + i, 160) for i in range(2)]
     # all but 40 free blocks away (more than 2 live sequences of up to 220 tokens need): the cache must evict
     hog = types.SimpleNamespace(blocks=eng.blocks.kv.alloc_many(eng.blocks.kv.free_count - 40), draft_blocks=[])
     live: list = []
@@ -413,7 +396,7 @@ def test_block_accounting_holds_through_random_sharing_and_eviction(tiny):
             else:
                 s = eng.alloc_sequence(ns)
                 stem = stems[int(rng.integers(2))][: 32 * int(rng.integers(2, 6))]
-                eng.prefill(s, stem + _tokens(int(rng.integers(1000)), int(rng.integers(1, 60))), 32)
+                eng.prefill(s, stem + random_tokens(int(rng.integers(1000)), int(rng.integers(1, 60))), 32)
                 live.append(s)
                 restored += s.restored_at > 0
             _check_accounting(eng, [*live, hog])
@@ -430,12 +413,12 @@ def test_the_branch_point_of_a_shared_prefix_gets_a_snapshot(tiny):
     ends a program where it leaves A's cached blocks: C, sharing the same system prompt, restores
     there, byte-identical to C computed split at that position."""
     eng = _engine(tiny)
-    ns, system = _ns_name(), _tokens(60, 56)
+    ns, system = _ns_name(), random_tokens(60, 56)
     seqs, outs = [], []
     try:
         for i in range(3):
             s = eng.alloc_sequence(ns)
-            outs.append(eng.prefill(s, system + _tokens(61 + i, 9)))
+            outs.append(eng.prefill(s, system + random_tokens(61 + i, 9)))
             seqs.append(s)
         assert [s.restored_at for s in seqs] == [0, 0, 48]
         ref, r = _computed(eng, seqs[2].tokens, 48, None)

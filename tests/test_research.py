@@ -218,3 +218,31 @@ def test_rejection_coupling_run_is_the_engines_step_and_accepts_at_one_minus_tv(
     assert upper - 4 * se <= rate <= upper + 4 * se, b
     with pytest.raises(ValueError, match="speculative_sampling"):
         study.serving(2, "typical")
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return len(f.readlines())
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="counts Linux memory mappings")
+def test_a_study_keeps_one_speculative_serve_and_frees_a_released_ones_programs(tiny):
+    """A study holds at most one speculative serve (plus the plain one): building the serve of
+    another draft count or mode releases the previous one, and its compiled programs' memory
+    mappings (XLA CPU: ~3 per kernel) go with it, so a sweep over draft counts cannot pile them
+    up to vm.max_map_count; `release` drops every serve."""
+    cfg, params = tiny
+    study = research.Study(cfg, params, max_width=2, max_drafts=2, max_seq_len=32)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    start = _mappings()
+    study.run(prompts, 4, research.flat_schedule(1))
+    grown = _mappings() - start
+    study.greedy(prompts, 4)
+    assert study.live_serves() == [(2, "gumbel")] and grown > 300
+    study.serving(None)
+    study.serving(1)
+    study.serving(2, "rejection")
+    assert study.live_serves() == [(None, "gumbel"), (2, "rejection")]
+    assert _mappings() - start < grown / 4
+    study.release()
+    assert study.live_serves() == []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import resolve_checkpoint, settings
-from test_prefix_cache import _conversations, _tokens
+from conversations import conversations, random_tokens
 
 from metrale_jax.engine.engine import Engine
 from metrale_jax.engine.sampling import Sampling
@@ -33,7 +33,7 @@ from metrale_jax.engine.speculative import (
 )
 
 TEMPERATURES = (0.3, 0.7, 1.0)
-PROMPTS = [_tokens(40 + n, n) for n in (9, 17, 30)]
+PROMPTS = [random_tokens(40 + n, n) for n in (9, 17, 30)]
 
 
 def _sampling(t: float, n: int, base: int = 3) -> list[Sampling]:
@@ -111,11 +111,11 @@ def test_gumbel_with_prefix_cache_emits_plain_samplings_tokens_without_it(cached
     assert cached.blocks.prefix is not None
     for t in TEMPERATURES:
         p = _sampling(t, 2, base=num_drafts)
-        plain = _conversations(uncached, 3, lambda e, ps, p=p: greedy_generate(e, ps, 10, sampling=p))
+        plain = conversations(uncached, 3, lambda e, ps, p=p: greedy_generate(e, ps, 10, sampling=p))
         for fused in (False, True):
             cached.blocks.default_namespace = f"sampled-{num_drafts}-{t}-{fused}"
             hits = cached.blocks.prefix.hits
-            got = _conversations(
+            got = conversations(
                 cached,
                 3,
                 lambda e, ps, p=p, f=fused: (
