@@ -403,9 +403,8 @@ def coupled_generate(
     temperature 0: greedy), `num_drafts` drafts per verify from the engine's MTP drafter in the
     engine's mode (gumbel: the coupled drafter; rejection: its own draws, their laws kept in the
     pool), composed (propose, verify, host acceptance, `Engine.accept`), keeping both laws: the
-    drafter's logits at each drafted position come from a propose of that many drafts (a draft,
-    keyed by its position, does not depend on how many follow it; the last propose, of all
-    `num_drafts`, leaves the laws the rejection verify reads), the target's from the verify.
+    drafter's logits at each drafted position from the propose (which, in rejection mode, leaves
+    the laws the rejection verify reads), the target's from the verify.
 
     Returns (the result, as `speculative_generate`'s: in gumbel mode tokens equal plain
     sampling's with the same seeds; match bool [N, D] and tv float [N, D] per step row in
@@ -423,12 +422,9 @@ def coupled_generate(
         while active:
             batch, last = [seqs[i] for i in active], [tokens[i][-1] for i in active]
             mine = None if chosen is None else [chosen[i] for i in active]
-            q_logits = []
-            for j in range(1, num_drafts + 1):
-                drafts, conf, logits = engine.propose_batched(batch, last, j, mine)
-                for s in batch:
-                    engine.trim_proposer(s)
-                q_logits.append(logits)
+            drafts, conf, q_logits = engine.propose_batched(batch, last, num_drafts, mine)
+            for s in batch:
+                engine.trim_proposer(s)
             ks = [num_drafts + 1] * len(active)
             flat = [t for a, row in zip(last, drafts) for t in (a, *row)]
             p_logits, draws = engine.verify_batched(batch, flat, ks, mine)
@@ -441,7 +437,7 @@ def coupled_generate(
             v = p_logits.shape[-1]
             target = np.asarray(p_logits).reshape(len(active), num_drafts + 1, v)[:, :num_drafts]
             p_law = _laws(engine, target.reshape(-1, v), row_params)
-            q_law = _laws(engine, np.stack(q_logits, 1).reshape(-1, v), row_params)
+            q_law = _laws(engine, q_logits.reshape(-1, v), row_params)
             tvs.append(0.5 * np.abs(p_law - q_law).sum(-1).reshape(len(active), num_drafts))
             for i, row, a in zip(active, draws, accepted):
                 tokens[i] += [int(t) for t in row[: a + 1]]

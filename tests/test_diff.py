@@ -258,7 +258,7 @@ def test_each_mode_passes_with_a_control_that_fires(request, checkpoint, mode):
         assert all(
             c["ok"] and c["argmax_equal"] for s in sections for c in s["comparisons"] if c["variant"] == "oracle"
         )
-        assert sections[0]["oracle_detection_control"] and not sections[0]["oracle_detection_control"]["ok"]
+        assert sections[0]["oracle_detection_control"]["fired"] and not sections[0]["oracle_detection_control"]["ok"]
     if mode == "swap":
         assert report["oracle"]["ok"] and report["oracle"]["mismatched_steps"] == 0
     if mode.startswith("verify"):

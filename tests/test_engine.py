@@ -293,13 +293,14 @@ def test_drafter_chains_its_own_normed_hidden(eng, tiny):
 
     toks = jnp.asarray([PROMPT[1:] + [last]])
     m, logits, state = mtp_forward(params, cfg, toks, final_norm(params, cfg, hidden), io(list(range(n))), state)
-    want = [int(jnp.argmax(logits[0, -1]))]
+    want, want_logits = [int(jnp.argmax(logits[0, -1]))], [logits[0, -1]]
     h = m[:, -1:]
     for j in range(1, 3):
         h, logits, state = mtp_forward(params, cfg, jnp.asarray([[want[-1]]]), h, io([n - 1 + j]), state)
         want.append(int(jnp.argmax(logits[0, -1])))
-    assert list(drafts[0]) == want
-    np.testing.assert_allclose(lg[0], np.asarray(logits[0, -1]), atol=1e-4)
+        want_logits.append(logits[0, -1])
+    assert list(drafts[0]) == want and lg.shape == (1, 3, cfg.vocab_size)
+    np.testing.assert_allclose(lg[0], np.stack(want_logits), atol=1e-4)
     lsm = jax.nn.log_softmax(logits[0, -1])
     np.testing.assert_allclose(conf[0, -1], lsm[want[-1]], atol=1e-5)
 

@@ -1,6 +1,8 @@
 """The diff oracle's bound for a model computing in bf16 (`diff.oracle.compute_rtol`), and the argmax
 rule under it (`Contract.argmax_gap`): a flip is excused only where the reference's own gap between
-the two argmaxes is within the bound.
+the two argmaxes is within the bound, and a greedy draft chain that so flips is judged up to the
+flip (`compare.draft_chain_cuts`); the oracle's control fires only where the clean run keeps the
+contract (`oracle.broke_from`).
 
 Measured on a small HF-initialised model served in bf16 (the `qwen3_5_dense` fixture, bf16
 weights, compute and KV): the clean tree PASSes the oracle under the bf16 contract and a planted
@@ -21,14 +23,14 @@ from diff_mutants import MutantEngine, planted
 
 from metrale_jax.checkpoint import load_checkpoint
 from metrale_jax.diff import DiffRequest, run_diff
-from metrale_jax.diff.compare import Contract, Part, Recording, bounded, diff_part
+from metrale_jax.diff.compare import Contract, Part, Recording, bounded, compare, diff_part, propose_parts
 from metrale_jax.diff.oracle import (
     ORACLE,
     ORACLE_CONTRACT,
     ORACLE_RTOL_ROUNDED,
     ORACLE_SIGMAS,
+    broke_from,
     compute_rtol,
-    excuse_last_draft_ties,
     oracle_contract,
     rounding_stages,
 )
@@ -93,20 +95,66 @@ def test_a_bf16_model_passes_the_oracle_and_a_planted_bug_fails_it(bf16_engine):
 
 
 def _propose_step(logits, drafts):
-    return [
-        Part("propose logits", np.asarray(logits, np.float32), "logits"),
-        Part("drafts", np.asarray(drafts, np.int32), "tokens"),
-        Part("confidences", np.zeros(np.shape(drafts), np.float32), "values"),
-    ]
+    logits, drafts = np.asarray(logits, np.float32), np.asarray(drafts, np.int32)
+    return propose_parts(drafts, np.max(logits, axis=-1), logits)
 
 
-def test_a_last_draft_flip_is_excused_only_within_the_references_gap():
+# Three drafts over a vocabulary of 3. Each sequence's reference drafts are its argmaxes.
+REF_LOGITS = [[[1.0, -1.0, 0.995], [0.0, 1.0, -1.0], [1.0, 0.0, -1.0]]] * 3
+REF_DRAFTS = [[0, 1, 0]] * 3
+
+
+def _flipped(gap_row: float, later: float):
+    """The reference with sequence 0's draft 1 flipped to token 2 (its reference logit moved to
+    `gap_row`), the drafts after it following that token (their logits `later` everywhere)."""
+    logits = np.array(REF_LOGITS, np.float32)
+    logits[0, 0, 2] = gap_row
+    logits[0, 1:] = later
+    drafts = np.array(REF_DRAFTS)
+    drafts[0] = [2, 2, 2]
+    return logits, drafts
+
+
+def _judged(run_logits, run_drafts, contract, ref_logits=REF_LOGITS):
+    view = Recording(prefill=[], steps=[_propose_step(ref_logits, REF_DRAFTS)])
+    run = Recording(prefill=[], steps=[_propose_step(run_logits, run_drafts)])
+    return compare("test", view, run, contract)
+
+
+def test_a_draft_chain_is_judged_up_to_a_flip_within_the_references_gap():
+    """Sequence 0's first draft flips 0 -> 2 where the reference's gap is 0.005 (within 1e-2 of
+    max |ref| 1): its later drafts, their logits and confidences follow another token and are not
+    judged; everything before and at the flip is."""
     contract = Contract(1e-2, "test", argmax_gap=True)
-    logits = [[1.0, 0.995, -1.0], [1.0, 0.9, -1.0], [1.0, 0.999, -1.0]]
-    view = Recording(prefill=[], steps=[_propose_step(logits, [[2, 0], [2, 0], [2, 0]])])
-    # row 0: last draft flips over a 0.005 gap; row 1: over a 0.1 gap; row 2: its first draft flips
-    run = Recording(prefill=[], steps=[_propose_step(logits, [[2, 1], [2, 1], [1, 1]])])
-    run.steps[0][1].data.flags.writeable = False  # as the engine's outputs are
-    assert excuse_last_draft_ties(view, run, contract) == 1
-    assert run.steps[0][1].data.tolist() == [[2, 0], [2, 1], [1, 1]]
-    assert excuse_last_draft_ties(view, run, bounded(1e-2, "no gap rule")) == 0
+    logits, drafts = _flipped(1.001, later=5.0)
+    c = _judged(logits, drafts, contract)
+    assert c.ok and c.excused_draft_flips == 1 and c.mismatched_steps == 1
+    # a flip over a gap past the bound (the reference's 2nd choice 0.9 below): the draft fails
+    far = np.array(REF_LOGITS, np.float32)
+    far[0, 0, 2] = 0.9
+    c = _judged(logits, drafts, contract, ref_logits=far)
+    assert not c.ok and c.excused_draft_flips == 0 and c.first_violation["part"] == "draft 1 logits"
+    # the flipped position's own logits stay judged: a far value there fails
+    bad = logits.copy()
+    bad[0, 0, 1] = 0.5
+    c = _judged(bad, drafts, contract)
+    assert not c.ok and (c.first_violation["part"], c.first_violation["row"]) == ("draft 1 logits", 0)
+    # another sequence's later draft stays judged
+    other = logits.copy()
+    other[1, 2, 0] = 3.0
+    assert not _judged(other, drafts, contract).ok
+    # without the gap rule the flip is a violation
+    assert not _judged(logits, drafts, bounded(1e-2, "no gap rule")).ok
+
+
+def test_a_control_fires_only_where_the_clean_run_keeps_the_contract():
+    """The oracle's control counts a broken step only where the clean comparison keeps its
+    contract there: a control that repeats the clean run's own violations detected nothing."""
+    contract = bounded(1e-2, "test")
+    ref = Recording(prefill=[], steps=[[_logits([[1.0, 0.0]])] for _ in range(4)])
+    broken = [[_logits([[0.0, 1.0]])] for _ in range(4)]
+    clean_ok = compare("clean", ref, Recording(prefill=[], steps=[list(s) for s in ref.steps]), contract)
+    clean_bad = compare("clean", ref, Recording(prefill=[], steps=broken), contract)
+    control = compare("control", ref, Recording(prefill=[], steps=ref.steps[:2] + broken[2:]), contract)
+    assert broke_from(control, 2, clean_ok) and not broke_from(control, 4, clean_ok)
+    assert not broke_from(control, 2, clean_bad)

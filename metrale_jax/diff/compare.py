@@ -14,6 +14,11 @@ Invariants:
   largest finite |value| of the reference part, so storage rounding (fp8 KV) is never past it.
   With `argmax_gap` a logits row whose argmax differs fails only where the reference's own gap
   between its argmax and the replay's is over the tolerance (a near-tie the rounding may flip).
+- A propose is recorded as `propose_parts`: each draft position's logits, then the drafts and
+  their confidences. Under `argmax_gap` a sequence whose greedy draft j flips where the reference's
+  gap between the two drafts is within the tolerance (`draft_chain_cuts`) is compared up to that
+  draft: the later drafts, their logits and the confidences from j on follow another token, and are
+  not judged (their bytes still count as differing, and `Comparison.excused_draft_flips` counts them).
 - Structural differences (part names, shapes, dtypes, step counts) are violations of every
   contract.
 - Argmax ties go to the lowest index (numpy's rule, as the engine's).
@@ -22,9 +27,11 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
+import chex
 import ml_dtypes
 import numpy as np
 
@@ -148,8 +155,10 @@ def _rows2d(a: np.ndarray) -> np.ndarray:
     return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
 
 
-def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
-    """Compare one part pair element by element under `contract` (see the module invariants)."""
+def diff_part(ref: Part, got: Part, contract: Contract, unjudged: np.ndarray | None = None) -> PartDiff:
+    """Compare one part pair element by element under `contract` (see the module invariants).
+    `unjudged` (bool, the part's shape as [rows, elements]): elements whose difference is
+    reported but not judged; a row with any such element has its argmax not judged either."""
     a, b = ref.data, got.data
     if (ref.name, ref.kind, a.shape, a.dtype) != (got.name, got.kind, b.shape, b.dtype):
         note = {"part": ref.name, "note": f"{ref.name} {a.shape} {a.dtype} vs {got.name} {b.shape} {b.dtype}"}
@@ -206,12 +215,16 @@ def diff_part(ref: Part, got: Part, contract: Contract) -> PartDiff:
         tol = contract.tolerance(fa, a.dtype)
         bad = absd > tol
         why = f"|Δ| > {tol:.3g}"
+    if unjudged is not None:
+        bad = bad & ~unjudged
     bad_rows = bad.any(axis=1)
     if am_a is not None and am_b is not None and contract.bounded:
         flipped = am_a != am_b
         if contract.argmax_gap:
             rows = np.arange(len(am_a))
             flipped &= fa[rows, am_a] - fa[rows, am_b] > tol
+        if unjudged is not None:
+            flipped &= ~unjudged.any(axis=1)
         bad_rows |= flipped
     out.bad_rows = bad_rows
     if bad_rows.any():
@@ -239,9 +252,71 @@ def settle(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> Sett
     return Settled(contract, diff_parts(ref, got, contract))
 
 
+DRAFTS, CONFIDENCES = "drafts", "confidences"
+
+
+def draft_logits_name(j: int) -> str:
+    """The part of draft position j's logits (j = 1..nd)."""
+    return f"draft {j} logits"
+
+
+def propose_parts(drafts: np.ndarray, confidences: np.ndarray, logits: np.ndarray) -> list[Part]:
+    """A propose's outputs as parts: drafts [n, nd] int32, confidences [n, nd] f32 and each draft
+    position's logits [n, nd, V] f32, the logits first (`draft j logits` [n, V], j = 1..nd)."""
+    n, nd = drafts.shape
+    chex.assert_shape(logits, (n, nd, None))
+    parts = [Part(draft_logits_name(j + 1), logits[:, j], "logits") for j in range(nd)]
+    return parts + [Part(DRAFTS, drafts, "tokens"), Part(CONFIDENCES, confidences, "values")]
+
+
+def draft_chain_cuts(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> dict[int, int]:
+    """Per sequence (row of the propose parts), the draft index j (0-based) where its greedy draft
+    flipped on a near-tie: the reference's draft j is the argmax of its `draft j+1 logits`, the
+    replay's draft differs, and the reference's gap between the two is within `contract`'s
+    tolerance of that part. Only under `contract.argmax_gap`; a step without a propose: {}."""
+    a, b = {p.name: p for p in ref}, {p.name: p for p in got}
+    if not contract.argmax_gap or DRAFTS not in a or DRAFTS not in b:
+        return {}
+    da, db = a[DRAFTS].data, b[DRAFTS].data
+    if da.shape != db.shape:
+        return {}
+    cuts = {}
+    for r in np.nonzero((da != db).any(axis=1))[0]:
+        j = int(np.nonzero(da[r] != db[r])[0][0])
+        logits = a.get(draft_logits_name(j + 1))
+        if logits is None or logits.data.ndim != 2:
+            continue
+        row = logits.data[r].astype(np.float64)
+        tol = contract.tolerance(logits.data.astype(np.float64), logits.data.dtype)
+        greedy = int(row.argmax()) == int(da[r, j])
+        if greedy and 0 <= db[r, j] < row.size and row[da[r, j]] - row[db[r, j]] <= tol:
+            cuts[int(r)] = j
+    return cuts
+
+
+_DRAFT_LOGITS = re.compile(r"draft (\d+) logits")
+
+
+def _unjudged(part: Part, cuts: dict[int, int]) -> np.ndarray | None:
+    """The elements of a propose part past each sequence's cut (`draft_chain_cuts`): the drafts
+    and confidences from the flipped draft on, the logits of the drafts after it."""
+    named = _DRAFT_LOGITS.fullmatch(part.name)
+    if not cuts or (named is None and part.name not in (DRAFTS, CONFIDENCES)):
+        return None
+    mask = np.zeros(_rows2d(part.data).shape, bool)
+    for r, j in cuts.items():
+        if named is None:
+            mask[r, j:] = True
+        else:
+            mask[r] = int(named.group(1)) > j + 1
+    return mask
+
+
 def diff_parts(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> list[PartDiff]:
-    """`diff_part` over two part lists; a missing or extra part is a structural violation."""
-    out = [diff_part(x, y, contract) for x, y in zip(ref, got)]
+    """`diff_part` over two part lists; a missing or extra part is a structural violation; a
+    propose's draft chains are judged up to their excused flips (`draft_chain_cuts`)."""
+    cuts = draft_chain_cuts(ref, got, contract)
+    out = [diff_part(x, y, contract, _unjudged(x, cuts)) for x, y in zip(ref, got)]
     for p in list(ref[len(got) :]) + list(got[len(ref) :]):
         where = {"part": p.name, "note": "present on one side only"}
         out.append(PartDiff(p.data.nbytes, float("inf"), None, False, where, where, np.ones(1, bool)))
@@ -253,7 +328,8 @@ class Comparison:
     """A replay against the reference. Byte-level fields (`prefill_equal`, `steps`,
     `mismatched_steps`, `first_mismatch`, `max_mismatched_bytes`); `first_diff` locates
     the first differing element (step, part, row, vocab index, both values in hex, ULP);
-    `violating_steps` / `first_violation` say where the contract broke; `ok` is the verdict."""
+    `violating_steps` / `first_violation` say where the contract broke; `ok` is the verdict;
+    `excused_draft_flips`: the draft chains judged only up to a near-tie flip (`draft_chain_cuts`)."""
 
     variant: str
     contract: str
@@ -269,6 +345,7 @@ class Comparison:
     violating_steps: list
     first_violation: dict | None
     ok: bool
+    excused_draft_flips: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -282,9 +359,10 @@ def compare(variant: str, reference: Recording, run: Recording, contract: Contra
     violating: list[Step] = []
     first_diff: dict | None = None
     first_violation: dict | None = None
-    max_abs, max_ulp, argmax_equal, prefill_equal = 0.0, None, True, True
+    max_abs, max_ulp, argmax_equal, prefill_equal, excused = 0.0, None, True, True, 0
     for step, a, b in units:
         diffs = diff_parts(a, b, contract)
+        excused += len(draft_chain_cuts(a, b, contract))
         if isinstance(step, int) and step in run.settled:
             if run.settled[step].contract != contract:
                 raise ValueError(
@@ -330,6 +408,7 @@ def compare(variant: str, reference: Recording, run: Recording, contract: Contra
         violating_steps=violating,
         first_violation=first_violation,
         ok=not violating,
+        excused_draft_flips=excused,
     )
 
 

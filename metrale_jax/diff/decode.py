@@ -251,9 +251,10 @@ def diff_swap(engine, variants: Sequence[Variant], *, steps: int, progress: Prog
     fields = {}
     for v in oracles:
         c, control = _never_spilled(engine, v, prompt, ref, at, progress)
-        fields = {"oracle": c.to_json(), "oracle_detection_control": control.to_json()}
+        fired = broke_from(control, at, c)
+        fields = {"oracle": c.to_json(), "oracle_detection_control": {**control.to_json(), "fired": fired}}
         reasons += [failure_line("swap", c)] if not c.ok else []
-        if not broke_from(control, at):
+        if not fired:
             reasons.append(f"swap control `{control.variant}` kept the oracle's contract after a token changed")
     return {
         **fields,

@@ -19,7 +19,8 @@ with the reference's committed view:
   drafter KV, the tokens), each part named `seq i <part>`;
 - each step, per sequence: the logits of rows 0..na (every accepted row and the row after the
   last accepted draft, whose argmax is the emitted token), then its state after the step; then,
-  with the drafter, the propose's last-draft logits, drafts and confidences.
+  with the drafter, the propose's parts (`compare.propose_parts`: each draft's logits, the drafts,
+  their confidences).
 
 Contract (`oracle_contract`): bounded, `ORACLE_RTOL` times each part's max |ref| (the prefill is
 one pass against the reference's chunks of `slot_layout.PREFILL_CHUNK`, a verify's rows are one
@@ -29,8 +30,9 @@ host length or drafter length differs) breaks it. With a float32 model and a KV 
 than float32 the bound is `ORACLE_RTOL_ROUNDED`. With a model computing in a narrower type
 (bf16) the bound is `compute_rtol` (`ORACLE_SIGMAS` x sqrt(rounding stages) x eps of that type,
 at least `ORACLE_RTOL_ROUNDED`), and an argmax flip is excused where the reference's gap between
-the two argmaxes is within it (`Contract.argmax_gap`), as is a last draft whose reference logits
-tie it within the bound (`excuse_last_draft_ties`); other tokens stay exact. Under `--batch-invariant`
+the two argmaxes is within it (`Contract.argmax_gap`), and a greedy draft that flips so is
+judged up to that draft (`compare.draft_chain_cuts`: the drafts after it follow another token);
+other tokens stay exact. Under `--batch-invariant`
 (`EngineSettings.batch_invariant`) the contract is bit-identical for every part
 (`ORACLE_INVARIANT_CONTRACT`): a verify row, a decode and a prefill chunk on the GDN chunk grid run
 the same arithmetic per token, whatever the KV dtype (a narrow KV rounds each written row once, and
@@ -54,7 +56,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from metrale_jax.diff.compare import Comparison, Contract, Part, Recording, bounded, compare
+from metrale_jax.diff.compare import Comparison, Contract, Part, Recording, bounded, compare, propose_parts
 from metrale_jax.diff.schedule import Layout, offsets
 from metrale_jax.diff.slot_layout import SequenceBatch
 from metrale_jax.diff.state import state_parts
@@ -152,7 +154,7 @@ def committed_view(cfg, run: Recording, log, ks: Sequence[int], states: Sequence
         for i, a in enumerate(logged.accepted):
             step.append(Part(f"seq {i} logits", parts[0].data[off[i] : off[i] + a + 1], "logits"))
             step += _seq_parts(cfg, i, states[s + 1])
-        view.steps.append(step + (list(parts[1:4]) if drafter else []))
+        view.steps.append(step + (list(parts[1:]) if drafter else []))
     return view
 
 
@@ -190,11 +192,7 @@ def run_oracle(
                     # NOTE: the oracle states the drafter's context itself (the committed tokens;
                     # the propose wrote its last row) instead of calling the engine's trim.
                     q.drafter_len = q.seq_len
-                tail = [
-                    Part("propose logits", draft_logits, "logits"),
-                    Part("drafts", drafts, "tokens"),
-                    Part("confidences", conf, "values"),
-                ]
+                tail = propose_parts(drafts, conf, draft_logits)
             records = [engine.save_sequence_state(q) for q in seqs]
             step = []
             for i in range(n):
@@ -213,35 +211,11 @@ def changed_commit(steps: Sequence[Committed], at: int, seq: int, vocab: int) ->
     return out
 
 
-def excuse_last_draft_ties(view: Recording, run: Recording, contract: Contract) -> int:
-    """Under `contract.argmax_gap`, each row whose drafts differ at the last draft only, where the
-    reference's last-draft logits (its `propose logits`) put the replay's draft within the part's
-    tolerance of its own (a near-tie the rounding may flip), takes the reference's draft there in
-    `run` (excused). A flip at an earlier draft stays a violation: the propose returns the last
-    position's logits only, so the reference's gap there is unknown. Returns the drafts excused."""
-    if not contract.argmax_gap:
-        return 0
-    excused = 0
-    for ref_step, run_step in zip(view.steps, run.steps):
-        ref = {p.name: p for p in ref_step}
-        at = next((i for i, p in enumerate(run_step) if p.name == "drafts"), None)
-        if "drafts" not in ref or at is None or ref["drafts"].data.shape != run_step[at].data.shape:
-            continue
-        logits = ref["propose logits"].data.astype(np.float64)
-        tol = contract.tolerance(logits, ref["propose logits"].data.dtype)
-        a, b = ref["drafts"].data, run_step[at].data.copy()
-        for r in np.nonzero((a != b).any(axis=1))[0]:
-            first = int(np.nonzero(a[r] != b[r])[0][0])
-            if first == a.shape[1] - 1 and logits[r, a[r, first]] - logits[r, b[r, first]] <= tol:
-                b[r, first] = a[r, first]
-                excused += 1
-        run_step[at] = dataclasses.replace(run_step[at], data=b)
-    return excused
-
-
-def broke_from(c: Comparison, at: int) -> bool:
-    """A bounded control's pass condition: the contract breaks at step `at` or later."""
-    return any(isinstance(s, int) and s >= at for s in c.violating_steps)
+def broke_from(control: Comparison, at: int, clean: Comparison) -> bool:
+    """A bounded control's pass condition: its contract breaks at a step `at` or later at which the
+    clean comparison (the same run without the change) keeps it: a violation the clean run has
+    too is not the change's, and a control that only repeats it has detected nothing."""
+    return any(isinstance(s, int) and s >= at and s not in clean.violating_steps for s in control.violating_steps)
 
 
 def oracle_comparison(
@@ -263,10 +237,13 @@ def oracle_comparison(
     steps = committed_steps(log, ref, ks)
     view = committed_view(engine.cfg, ref, log, ks, states, bool(num_drafts))
     run = run_oracle(engine, rows, steps, fragment=fragment, num_drafts=num_drafts, sampling=sampling)
-    excuse_last_draft_ties(view, run, contract)
     at, seq = len(steps) // 2, len(rows) // 2
+    # NOTE: compared before the control runs, so that one replay's recording (every sequence's state
+    # after every step) is held at a time.
+    clean = compare(ORACLE, view, run, contract)
+    del run
     if not control:
-        return compare(ORACLE, view, run, contract), None, at
+        return clean, None, at
     changed = run_oracle(
         engine,
         rows,
@@ -276,4 +253,4 @@ def oracle_comparison(
         sampling=sampling,
     )
     label = f"{ORACLE}, sequence {seq}'s committed token changed (step {at})"
-    return compare(ORACLE, view, run, contract), compare(label, view, changed, contract), at
+    return clean, compare(label, view, changed, contract), at

@@ -10,8 +10,8 @@ A step, for n sequences at widths ks (rows flat and seq-major, sequence i's rows
 drafts; `Engine.accept` (the GDN fold, the host rewind of the rejected rows, the commit of rows
 0..na, with the drafter the accepted rows' hiddens stashed); with the drafter, the batched
 propose of `num_drafts` drafts and the trim of every drafter back to the committed context. A
-step's parts: the R = Σ K verify logits rows, then (drafter) the last draft position's logits,
-the drafts and their confidences.
+step's parts: the R = Σ K verify logits rows, then (drafter) `compare.propose_parts`: each draft
+position's logits, the drafts and their confidences.
 
 The `fused` variant's step (`run_fused`): from one copy of the pool and of the host state, the
 composed step above, then `Engine.speculative_step` on the same rows; each side's parts are the
@@ -57,6 +57,7 @@ from metrale_jax.diff.compare import (
     Part,
     Recording,
     compare,
+    propose_parts,
     saw_difference,
     settle,
     timing,
@@ -233,16 +234,9 @@ def run_fused(
 
 
 def _step_parts(verify_logits, proposed) -> list[Part]:
-    """A step's verify logits and, when it proposed, (drafts, confidences, last-draft logits) as parts."""
+    """A step's verify logits and, when it proposed, (drafts, confidences, each draft's logits) as parts."""
     parts = [Part("verify logits", verify_logits, "logits")]
-    if proposed is not None:
-        drafts, conf, draft_logits = proposed
-        parts += [
-            Part("propose logits", draft_logits, "logits"),
-            Part("drafts", drafts, "tokens"),
-            Part("confidences", conf, "values"),
-        ]
-    return parts
+    return parts + (propose_parts(*proposed) if proposed is not None else [])
 
 
 def _outcome(engine, seqs, accepted: Sequence[int], emitted: Sequence[int]) -> list[Part]:
@@ -369,7 +363,9 @@ def diff_verify(
             log, ref = verify(steps, greedy=greedy, states=states)
             at, row = steps // 2, offsets(ks)[n // 2] + ks[n // 2] - 1
             comparisons: list[Comparison] = []
-            timings, fused_control, oracle_control, oracle_at = [timing(REFERENCE, ref)], None, None, 0
+            timings, fused_control, oracle_at = [timing(REFERENCE, ref)], None, 0
+            oracle_control: Comparison | None = None
+            oracle_clean: Comparison | None = None
             for v in variants:
                 with selected(engine, v.forward, v.mesh):
                     if v.step == "oracle":
@@ -387,7 +383,10 @@ def diff_verify(
                             sampling=seeded,
                         )
                         comparisons.append(dataclasses.replace(c, variant=v.label))
-                        oracle_control = oracle_control or control
+                        if oracle_control is None and control is not None:
+                            oracle_control, oracle_clean = control, c
+                        if states is not None:
+                            states.clear()  # only the oracle reads them: the variants after it run without
                         progress.advance((1 + (j == 0)) * (steps + 1))
                     elif v.step == "fused":
                         lockstep = functools.partial(
@@ -425,7 +424,10 @@ def diff_verify(
                 reasons.append(f"{where}: the detection control saw no difference after changing a draft")
             if fused_control is not None and not saw_difference(fused_control):
                 reasons.append(f"{where}: the fused step's detection control saw no difference after changing a draft")
-            if oracle_control is not None and not broke_from(oracle_control, oracle_at):
+            oracle_fired = None
+            if oracle_control is not None and oracle_clean is not None:
+                oracle_fired = broke_from(oracle_control, oracle_at, oracle_clean)
+            if oracle_fired is False:
                 reasons.append(
                     f"{where}: the oracle's detection control kept its contract after a committed token changed"
                 )
@@ -463,7 +465,7 @@ def diff_verify(
             if fused_control is not None:
                 section["fused_detection_control"] = fused_control.to_json()
             if oracle_control is not None:
-                section["oracle_detection_control"] = oracle_control.to_json()
+                section["oracle_detection_control"] = {**oracle_control.to_json(), "fired": oracle_fired}
             if plain is not None:
                 section["plain_sampling"], section["plain_sampling_control"] = plain
             sections.append({"k": ks[0], **section} if single else section)

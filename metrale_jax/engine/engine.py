@@ -101,7 +101,8 @@ class SpeculativeOutput:
     """A fused speculative step's outcome for its n sequences (host numpy): accepted [n] drafts
     accepted, emitted (per sequence its accepted + 1 tokens, the verify's argmaxes), drafts [n, nd]
     int32 and confidences [n, nd] f32 of the next propose (nd = 0: none); with logits asked for,
-    verify_logits [R, V] f32 (R = sum K) and draft_logits [n, V] f32 (nd > 0), else None."""
+    verify_logits [R, V] f32 (R = sum K) and draft_logits [n, nd, V] f32 (each draft position's;
+    nd > 0), else None."""
 
     accepted: np.ndarray
     emitted: list[list[int]]
@@ -445,8 +446,8 @@ class Engine(VerdictProtocol):
         num_drafts: int,
         sampling: Sequence[Sampling] | None = None,
     ):
-        """Batched MTP propose. Returns (drafts [n, nd] int32, confidences [n, nd] f32, logits of
-        the last draft position [n, V] f32), numpy. With `sampling` (per sequence) the drafts are
+        """Batched MTP propose. Returns (drafts [n, nd] int32, confidences [n, nd] f32, each draft
+        position's logits [n, nd, V] f32), numpy. With `sampling` (per sequence) the drafts are
         the drafter's draws with the target's noise (the coupled drafter)."""
         if not self.drafter:
             raise EngineError("no MTP drafter (needs --speculative and a checkpoint with MTP layers)")

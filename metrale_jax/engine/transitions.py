@@ -316,7 +316,7 @@ def propose(
     token (last, then draft j-1) with hidden (the stash, then the previous step's normed MTP
     output) at drafter position seq_len - 1 + j, using MTP layer j % n; only the drafter KV
     changes. Returns (drafts [B, nd] int32, confidences [B, nd] f32 = log_softmax(logits)[draft],
-    logits of the last draft position [B, V] f32, pool). A draft is the drafter's argmax, or with
+    each draft position's logits [B, nd, V] f32, pool). A draft is the drafter's argmax, or with
     `static.samples` its draw with the target's noise: `sampling.draw` of the drafter's logits
     with `rows` [B] at the drafted token's position, seq_len + 1 + j (the coupled drafter); with
     `static.rejection` too, its draw with its own keys (`sampling.draft_draw`), whose law q goes
@@ -332,13 +332,13 @@ def propose(
     hidden = _mtp_hidden(params, cfg, pool.stash[slots])[:, None, :]
     tok = last[:, None]
     state = TrunkState(gdn_h=None, gdn_conv=None, kv_k=pool.draft_k, kv_v=pool.draft_v)
-    drafts, confs, laws = [], [], []
-    logits = None
+    drafts, confs, laws, every = [], [], [], []
     for j in range(static.num_drafts):
         pos = jnp.where(valid, seq_lens - 1 + j, -1)[:, None]
         io = _pool_io(static, pos, batch.draft_tables, drafter=True)
         hidden, logits, state = mtp_forward(params, cfg, tok, hidden, io, state, j % cfg.num_mtp_layers)
         logits = logits[:, 0]
+        every.append(logits)
         if static.samples and static.rejection:
             assert rows is not None, "a sampling program takes its SamplingRows"
             d, q = sampling.draft_draw(logits, rows, seq_lens + 1 + j)
@@ -355,12 +355,11 @@ def propose(
         conf = jnp.max(lsm, axis=-1) if static.rejection else jnp.take_along_axis(lsm, d[:, None], axis=-1)[:, 0]
         confs.append(conf)
         tok = d[:, None]
-    assert logits is not None
     pool = pool.replace(draft_k=state.kv_k, draft_v=state.kv_v)
     if laws:
         assert pool.draft_probs is not None, "rejection sampling keeps its drafter laws in the pool"
         pool = pool.replace(draft_probs=pool.draft_probs.at[slots, : len(laws)].set(jnp.stack(laws, 1)))
-    return jnp.stack(drafts, 1), jnp.stack(confs, 1), logits, pool
+    return jnp.stack(drafts, 1), jnp.stack(confs, 1), jnp.stack(every, 1), pool
 
 
 def _grid(flat: jax.Array, lens: jax.Array, t: int) -> jax.Array:
@@ -402,7 +401,7 @@ def speculative_step(
     Donated: pool. Returns (packed, extras, pool): packed [B, 1 + T + 2 nd] int32, per sequence
     [na, the T row argmaxes (the emitted tokens are the first na + 1), nd drafts, nd confidences
     (f32 bits)], the one array the host fetches; extras = (verify logits [R_b, V] f32, then the
-    propose's last-draft logits [B, V] f32 when nd > 0) with `static.logits`, else ().
+    propose's logits [B, nd, V] f32 when nd > 0) with `static.logits`, else ().
     With `static.samples` (gumbel speculative sampling) the row tokens are the verify's draws and
     the drafts the coupled drafter's, with `rows` [B]: acceptance is the same rule on the draws.
     With `static.rejection` too the row tokens are rejection sampling's (`sampling.rejection_rows`,
