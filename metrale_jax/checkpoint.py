@@ -37,7 +37,7 @@ import numpy as np
 
 from metrale_jax.config import FULL, ConfigError, ModelConfig, load_model_config
 from metrale_jax.errors import MetraleError
-from metrale_jax.model.fp8_linear import FP8_DTYPE, Fp8BlockWeight
+from metrale_jax.model.fp8_linear import FP8_DTYPE, Fp8BlockWeight, e4m3_bits
 from metrale_jax.params import attn_in_rows, dense_in_rows, gdn_in_rows, moe_router_rows, param_specs, shared_in_rows
 from metrale_jax.quantization import Quantization, QuantizationError, read_quantization, scale_name, scale_shape
 
@@ -687,7 +687,7 @@ def _fp8_leaf(b: Binding, refs: dict[str, TensorRef], block: tuple[int, int], ca
         stand_in = next(k for k in kept if k is not None).dtype
         full = b.assemble([np.zeros(s, stand_in) if k is None else k for k, s in zip(kept, b.shapes)])
         tail = jnp.asarray(cast(np.asarray(full)[..., n_fp8:, :]))
-    return Fp8BlockWeight(jnp.asarray(q), jnp.asarray(scale), tail, (g, block[1]))
+    return Fp8BlockWeight(jnp.asarray(e4m3_bits(q)), jnp.asarray(scale), tail, (g, block[1]))
 
 
 def save_checkpoint(directory: str, cfg: ModelConfig, params: dict) -> None:

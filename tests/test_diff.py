@@ -299,9 +299,9 @@ def test_planted_state_bugs_each_fail_naming_their_step(tiny_engine):
         "mutant-fold-row": (1, "verify logits"),
         "mutant-conv-kept": (first_partial + 1, "verify logits"),
         "mutant-commit-off-by-one": (first_partial + 1, "verify logits"),
-        "mutant-rejected-kv": (first_partial, "propose logits"),
+        "mutant-rejected-kv": (first_partial, "draft 1 logits"),
         "mutant-wrong-slot": (0, "verify logits"),
-        "mutant-prenorm-hidden": (0, "propose logits"),
+        "mutant-prenorm-hidden": (0, "draft 1 logits"),
     }
     got = {c["variant"].split()[0]: c for c in shape["comparisons"]}
     assert got.pop("xla-repeat")["ok"]

@@ -1,6 +1,6 @@
 """The diff's memory accounting: the report's `memory` field and the lock-step runs' settled parts.
 
-`settle` must change what a run holds, never what a comparison finds; `footprint` counts the
+`settle_pools` must change what a run holds, never what a comparison finds; `footprint` counts the
 engine's one copy of the weights and its pool."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import settings
 
-from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Recording, bounded, compare, settle
+from metrale_jax.diff.compare import BIT_IDENTICAL, Part, Recording, bounded, compare
 from metrale_jax.diff.footprint import footprint, peak_rss_bytes
+from metrale_jax.diff.state import settle_pools
 from metrale_jax.engine.engine import Engine
 from metrale_jax_cli import diff_cmd
 
@@ -34,13 +35,16 @@ def _parts(seed: int, changed: bool) -> list[Part]:
 
 
 def test_settled_parts_compare_as_the_whole_recording_does():
-    """A lock-step run that settles its pool parts as it records them (`settle`) gets the same
+    """A lock-step run that settles its pools as it records them (`settle_pools`) gets the same
     comparison as one that kept both sides' arrays, equal and differing steps alike."""
     a_steps = [_parts(s, False) for s in range(4)]
     b_steps = [_parts(s, s >= 2) for s in range(4)]  # the pool differs from step 2 on
     whole = compare("v", Recording([], a_steps), Recording([], b_steps), BIT_IDENTICAL)
     ref, run = Recording([], [a[:2] for a in a_steps]), Recording([], [b[:2] for b in b_steps])
-    run.settled = {s: settle(a[2:], b[2:], BIT_IDENTICAL) for s, (a, b) in enumerate(zip(a_steps, b_steps))}
+    run.settled = {
+        s: settle_pools({"kv": a[2].data}, {"kv": b[2].data}, BIT_IDENTICAL)
+        for s, (a, b) in enumerate(zip(a_steps, b_steps))
+    }
     assert compare("v", ref, run, BIT_IDENTICAL) == whole
     assert whole.first_mismatch == 2 and whole.first_diff["part"] == "pool kv" and not whole.ok
     with pytest.raises(ValueError, match="settled under"):

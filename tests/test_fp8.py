@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ def test_fp8_logits_match_hf_on_the_dequantised_weights(name):
     g = golden(name)
     _, params, logits = replayed_logits(g, np.float32)
     leaves = [x for x in _walk(params) if isinstance(x, Fp8BlockWeight)]
-    assert leaves and all(w.q.dtype == ml_dtypes.float8_e4m3fn for w in leaves)
+    assert leaves and all(w.q.dtype == np.uint8 and w.dtype == ml_dtypes.float8_e4m3fn for w in leaves)
     assert_float32_parity(g, logits)
 
 
@@ -137,6 +138,29 @@ def test_speculative_equals_greedy_on_the_fp8_moe_fixture():
     ref = greedy_generate(eng, prompts, 24)
     runs = [speculative_generate(eng, prompts, 24, DraftSchedule(3), fused=f) for f in (0, 1)]
     assert runs[0].tokens == runs[1].tokens == ref
+
+
+def test_an_fp8_expert_stacks_pairs_form_dequantises_one_expert_at_a_time():
+    """The MoE's per-pair loop over FP8 stacks (the form of a decode over many experts) holds one
+    expert's dequantised weights, not the stacks: on XLA CPU an op on an e4m3 array other than its
+    conversion runs in f16 after converting the whole operand, which the loop hoisted (the 80B
+    FP8's decode planned 155 GB of temporaries); `Fp8BlockWeight.q` holds the values' bytes."""
+    from metrale_jax.model import mlp
+    from metrale_jax.model.fp8_linear import BITS_DTYPE
+
+    e, inter, hidden, rows, k = 128, 256, 512, 8, 8
+    sds = jax.ShapeDtypeStruct
+
+    def stack(out, inp):
+        return Fp8BlockWeight(sds((e, out, inp), BITS_DTYPE), sds((e, out // 128, inp // 128), jnp.bfloat16))
+
+    args = (sds((rows, hidden), jnp.bfloat16), sds((rows, k), jnp.int32), sds((rows, k), jnp.bfloat16))
+    run = jax.jit(lambda x, i, w, g, d: mlp._pairs(x, i, w, g, d, inter))
+    temp = (
+        run.lower(*args, stack(2 * inter, hidden), stack(hidden, inter)).compile().memory_analysis().temp_size_in_bytes
+    )
+    one_expert_bf16 = 3 * inter * hidden * 2
+    assert temp < 4 * one_expert_bf16, (temp, e * one_expert_bf16)  # the stacks in bf16: 32x that
 
 
 # ---- the planner ----

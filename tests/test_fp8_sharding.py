@@ -8,7 +8,8 @@ on the FP8 fixtures re-blocked to 4x4 scale blocks (the fixtures' e4m3 values an
 fixture, ep 2 and tp 2 x ep 2) has max |logit - one device's FP8 logit| <= `LOGITS_ATOL` (1e-4:
 each device dequantises the same blocks to the same f32 values; only the partitioned products'
 all-reduce sums in another order, as for unquantised weights in tests/test_sharding.py) and
-every argmax equal; greedy speculative == greedy at tp 2 on the MoE fixture (composed and fused).
+every argmax equal; greedy speculative == greedy at tp 2 on the MoE fixture (composed and fused);
+the planner plans that mesh on the same FP8 leaves.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def test_generate_refuses_a_mesh_that_cuts_a_scale_block_in_one_line(worker):
     lines = r["output"].strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: FP8 tensor model.language_model.layers."), lines
     assert "--tensor-parallel-size 2 cuts its" in lines[0]
+
+
+def test_the_planner_compiles_a_mesh_on_the_loaders_fp8_leaves(worker):
+    """At tp 2 the planner's step programs hold the FP8 leaves the loader holds (their in-product
+    dequantisation is in the activation figures), not full-precision weights."""
+    plan = worker["planned"]
+    assert plan["program_fp8_leaves"] == plan["loaded_fp8_leaves"] > 0, plan
 
 
 def test_the_block_check_names_the_tensor_whose_block_a_shard_cuts(tmp_path):

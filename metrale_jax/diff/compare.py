@@ -58,7 +58,7 @@ class Recording:
     """What one run recorded: the parts after the prefill, the parts after each step, and per-step wall times
     (`enqueue_ms`: the forward call alone; `step_ms`: the whole step, verdict and propose
     included). `settled`: per step index, parts already compared with the reference's as they were
-    recorded (`settle`), held as their `PartDiff`s instead of their arrays; `compare` counts them
+    recorded (`state.settle_pools`), held as their `PartDiff`s instead of their arrays; `compare` counts them
     after the step's other parts."""
 
     prefill: list[Part]
@@ -148,6 +148,17 @@ def _hex(u) -> str:
     return f"0x{int(u):0{2 * u.dtype.itemsize}x}"
 
 
+#: Elements compared at a time by `_bytes_equal` (its temporary's size).
+EQUAL_CHUNK = 1 << 22
+
+
+def _bytes_equal(ua: np.ndarray, ub: np.ndarray) -> bool:
+    """Whether two unsigned views of one shape hold the same bits, compared a chunk at a time
+    (a whole pool leaf's elementwise comparison would be a temporary of its size)."""
+    fa, fb = ua.reshape(-1), ub.reshape(-1)
+    return all(np.array_equal(fa[i : i + EQUAL_CHUNK], fb[i : i + EQUAL_CHUNK]) for i in range(0, fa.size, EQUAL_CHUNK))
+
+
 def _rows2d(a: np.ndarray) -> np.ndarray:
     """`a` as [rows, elements] (rows: axis 0; a scalar is one row); empty arrays keep their rows."""
     if a.ndim == 0:
@@ -166,10 +177,10 @@ def diff_part(ref: Part, got: Part, contract: Contract, unjudged: np.ndarray | N
         return PartDiff(max(a.nbytes, b.nbytes), float("inf"), None, False, note, note, np.ones(rows, bool))
     a2, b2 = _rows2d(a), _rows2d(b)
     ua, ub = _unsigned(a2), _unsigned(b2)
-    neq = ua != ub
     out = PartDiff(bad_rows=np.zeros(a2.shape[0], bool))
-    if not neq.any():
+    if _bytes_equal(ua, ub):
         return out
+    neq = ua != ub
     out.differing_bytes = int((_unsigned(a).view(np.uint8) != _unsigned(b).view(np.uint8)).sum())
     ints = ref.kind == "tokens"
     fa, fb = a2.astype(np.float64), b2.astype(np.float64)
@@ -240,16 +251,11 @@ def diff_part(ref: Part, got: Part, contract: Contract, unjudged: np.ndarray | N
 
 @dataclasses.dataclass(frozen=True)
 class Settled:
-    """A step's parts compared at the time they were recorded: their diffs under `contract`."""
+    """A step's parts compared at the time they were recorded (`state.settle_pools`), so that neither
+    side's arrays need be kept: their diffs under `contract`."""
 
     contract: Contract
     diffs: list[PartDiff]
-
-
-def settle(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> Settled:
-    """`ref` against `got` now (`diff_parts`), so that neither side's arrays need be kept: a lock-step
-    pair of runs that would otherwise hold both sides' copies of every step's parts."""
-    return Settled(contract, diff_parts(ref, got, contract))
 
 
 DRAFTS, CONFIDENCES = "drafts", "confidences"

@@ -1,13 +1,13 @@
 """A sequence's device state as comparable parts, digests of it, and the swap control's change.
 
 Owns: `state_parts` (a `save_sequence_state` record as one part per layer and tensor, in model
-layer order, cut to what the sequence owns), `pool_parts` (every leaf of the engine's whole
-pool), `digests`, and `perturbed` (the swap control's record, with one live element changed).
+layer order, cut to what the sequence owns), `settle_pools` (every leaf of two engine pools
+compared), `digests`, and `perturbed` (the swap control's record, with one live element changed).
 
 Invariants:
 - A record's parts compare only live positions: KV rows past `seq_len` (and drafter rows past
   `drafter_len`) are junk the engine overwrites before reading, as is the null block a
-  null-padded block table gathers. `pool_parts` compares everything, junk included: it is for
+  null-padded block table gathers. `settle_pools` compares everything, junk included: it is for
   two runs of one step from one pool.
 - Part order is model layer order (GDN h then conv; attention K then V), then the MTP head, so
   the first differing part names the first differing layer.
@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.diff.compare import Part
+from metrale_jax.diff.compare import Contract, Part, Settled, diff_part
 from metrale_jax.engine.inputs import SwapRecord
 
 
@@ -60,14 +60,24 @@ def state_parts(cfg: ModelConfig, record: SwapRecord) -> list[Part]:
     return parts + [Part("tokens", np.asarray(record.tokens, np.int32), "tokens")]
 
 
-def pool_parts(pool) -> list[Part]:
-    """Every leaf of an `EnginePool` as a `values` part named `pool <leaf path>` (host copies:
-    the engine's next program takes the pool donated)."""
-    leaves = jax.tree_util.tree_flatten_with_path(pool)[0]
-    return [
-        Part("pool " + ".".join(str(getattr(k, "name", k)) for k in path), np.array(leaf), "values")
-        for path, leaf in leaves
+def settle_pools(reference, got, contract: Contract) -> Settled:
+    """Two `EnginePool`s compared now, leaf by leaf, each leaf a `values` part
+    named `pool <leaf path>`. A leaf is read as a host view (no copy on XLA CPU) that does not
+    outlive its comparison: neither pool may be donated to a program until this returns."""
+    ref, run = _named_leaves(reference), _named_leaves(got)
+    if [n for n, _ in ref] != [n for n, _ in run]:
+        raise ValueError(f"the pools' leaves differ: {[n for n, _ in ref]} vs {[n for n, _ in run]}")
+    diffs = [
+        diff_part(Part(name, np.asarray(a), "values"), Part(name, np.asarray(b), "values"), contract)
+        for (name, a), (_, b) in zip(ref, run)
     ]
+    return Settled(contract, diffs)
+
+
+def _named_leaves(pool) -> list[tuple[str, object]]:
+    """A pool's leaves as (`pool <leaf path>`, leaf)."""
+    leaves = jax.tree_util.tree_flatten_with_path(pool)[0]
+    return [("pool " + ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path), x) for path, x in leaves]
 
 
 def digests(parts: list[Part]) -> list[dict]:

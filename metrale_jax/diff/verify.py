@@ -16,7 +16,7 @@ position's logits, the drafts and their confidences.
 The `fused` variant's step (`run_fused`): from one copy of the pool and of the host state, the
 composed step above, then `Engine.speculative_step` on the same rows; each side's parts are the
 ones above, then the accepted counts, the emitted tokens, the lengths and every pool leaf (junk
-included), compared byte for byte (the pool leaves as the step is recorded, `compare.settle`: a run
+included), compared byte for byte (the pool leaves as the step is recorded, `state.settle_pools`: a run
 holds their diffs, not 2 x steps copies of the pool). The run continues from the fused side.
 
 Invariants:
@@ -59,7 +59,6 @@ from metrale_jax.diff.compare import (
     compare,
     propose_parts,
     saw_difference,
-    settle,
     timing,
 )
 from metrale_jax.diff.decode import run_decode
@@ -79,7 +78,7 @@ from metrale_jax.diff.schedule import (
     step_drafts,
 )
 from metrale_jax.diff.slot_layout import SequenceBatch
-from metrale_jax.diff.state import pool_parts
+from metrale_jax.diff.state import settle_pools
 from metrale_jax.diff.variants import REFERENCE, Variant, selected
 from metrale_jax.engine.sampling import Sampling, per_sequence
 from metrale_jax.engine.speculative import accepted_drafts as accepted
@@ -213,8 +212,7 @@ def run_fused(
             parts = _step_parts(logits, proposed)
             composed.step_ms.append((time.perf_counter() - t0) * 1e3)
             composed.steps.append(parts + _outcome(engine, seqs, na, emitted))
-            composed_pool = pool_parts(engine.pool)
-            engine.pool = pool
+            composed_pool, engine.pool = engine.pool, pool
             for q, (seq_len, toks, drafter_len, drafted) in zip(seqs, host):
                 q.seq_len, q.tokens, q.drafter_len, q.last_num_drafted = seq_len, toks, drafter_len, drafted
             if changed is not None and changed[0] == s:
@@ -225,9 +223,10 @@ def run_fused(
             parts = _step_parts(out.verify_logits, (out.drafts, out.confidences, out.draft_logits) if nd else None)
             emitted = [t for e in out.emitted for t in e]
             fused.steps.append(parts + _outcome(engine, seqs, [int(a) for a in out.accepted], emitted))
-            # NOTE: the two pools are compared now and only their diffs kept: both sides' whole pools
-            # at every step would be 2 x steps pools (the 0.8B stand-in's: past 12 GB at 8 steps).
-            fused.settled[s] = settle(composed_pool, pool_parts(engine.pool), BIT_IDENTICAL)
+            # NOTE: the two pools are compared now, leaf by leaf, and only their diffs kept: both sides'
+            # whole pools at every step would be 2 x steps pools (the 0.8B stand-in's: past 12 GB at 8 steps).
+            fused.settled[s] = settle_pools(composed_pool, engine.pool, BIT_IDENTICAL)
+            del composed_pool
             progress.advance()
     composed.enqueue_ms, fused.enqueue_ms = composed.step_ms, fused.step_ms
     return composed, fused
@@ -240,7 +239,7 @@ def _step_parts(verify_logits, proposed) -> list[Part]:
 
 
 def _outcome(engine, seqs, accepted: Sequence[int], emitted: Sequence[int]) -> list[Part]:
-    """A lock-step side's verdict and host lengths as parts (its whole pool: `settle`d apart)."""
+    """A lock-step side's verdict and host lengths as parts (its whole pool: settled apart, `state.settle_pools`)."""
     lengths = np.asarray([[q.seq_len, q.drafter_len] for q in seqs], np.int32)
     return [
         Part("accepted", np.asarray(accepted, np.int32), "tokens"),

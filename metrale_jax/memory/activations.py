@@ -91,7 +91,7 @@ from metrale_jax.engine.programs import compile_transition, export_transition
 from metrale_jax.engine.settings import EngineSettings
 from metrale_jax.engine.sharding import MeshError, abstract_pool, make_mesh, param_shardings
 from metrale_jax.memory.errors import PlanError
-from metrale_jax.model.fp8_linear import FP8_DTYPE, Fp8BlockWeight
+from metrale_jax.model.fp8_linear import BITS_DTYPE, Fp8BlockWeight
 from metrale_jax.model.layer_groups import arrange_layers, layer_groups, truncate_groups
 from metrale_jax.model.weight_layout import backend_layout
 from metrale_jax.params import init_params, param_specs
@@ -124,7 +124,7 @@ DEPTH_PROBE_BACKENDS = ("cpu",)
 
 def quantised_abstract(params: Any, cfg: ModelConfig, quant: Quantization | None) -> Any:
     """The abstract parameter tree of `cfg` (checkpoint layout) with the leaves an FP8 scheme
-    converts as the loader holds them (`Fp8BlockWeight` of e4m3 values, bf16 block scales and the
+    converts as the loader holds them (`Fp8BlockWeight` of e4m3 values' bytes, bf16 block scales and the
     kept rows as their tail), so the step programs compile with their in-product dequantisation.
     Unchanged without an fp8 scheme (NVFP4 is counted in the weights only)."""
     if quant is None or not quant.loadable:
@@ -144,7 +144,7 @@ def quantised_abstract(params: Any, cfg: ModelConfig, quant: Quantization | None
         *lead, total, cols = node.shape
         sds = jax.ShapeDtypeStruct
         leaf = Fp8BlockWeight(
-            sds((*lead, n8, cols), FP8_DTYPE),
+            sds((*lead, n8, cols), BITS_DTYPE),
             sds(scale_shape((*lead, n8, cols), quant.block), jnp.bfloat16),
             None if n8 == total else sds((*lead, total - n8, cols), node.dtype),
             quant.block,
@@ -429,9 +429,8 @@ class ActivationModel:
         cfg = self.config if cfg is None else cfg
         dtype, mesh = self.dtype, self.mesh(settings)
         pool = abstract_pool(cfg, counts, settings, dtype=dtype, mesh=mesh)
-        params = self.params(cfg)
+        params = quantised_abstract(jax.tree_util.tree_map(lambda x: x, self.params(cfg)), cfg, self.quantization)
         if mesh is None:
-            params = quantised_abstract(jax.tree_util.tree_map(lambda x: x, params), cfg, self.quantization)
             params = jax.eval_shape(lambda p: backend_layout(p, cfg, None), params)
         else:
             params = jax.tree_util.tree_map(

@@ -1,8 +1,8 @@
 """FP8 block-scaled weights (the `quant_method: fp8` releases) and their products.
 
-Owns: `Fp8BlockWeight`, one projection leaf held as the checkpoint ships it (e4m3 values and one
-f32 scale per block), and `dense_weight`, the one point at which `metrale_jax.model.linear`'s
-products turn such a leaf into the activation dtype.
+Owns: `Fp8BlockWeight`, one projection leaf held as the checkpoint ships it (e4m3 values, as their
+bytes, and one scale per block), `e4m3_bits` (an e4m3 array as those bytes) and `dense_weight`, the
+one point at which `metrale_jax.model.linear`'s products turn such a leaf into the activation dtype.
 
 Invariants:
 - `w ≈ q · scale[r // rows_per_scale, c // cols_per_scale]` for the first `q.shape[-2]` rows;
@@ -15,6 +15,11 @@ Invariants:
   (`metrale_jax.engine.sharding`): the values' rows and the kept rows each in N groups; the
   dequantised weight interleaves them group by group (`dequantise(dtype, groups=N)`), so every
   device's rows stay its own and the product's split (`linear.split_groups`) sees one group-major leaf.
+- `q` holds the e4m3 values' bytes (uint8, `BITS_DTYPE`); only `dequantise` reads them as e4m3.
+  NOTE: XLA CPU has no e4m3 kernels but the conversion: it rewrites any other op on an e4m3
+  array (a dynamic index, a slice, a barrier) into f16 after converting the whole operand, and
+  out of the MoE's per-pair loop that conversion is hoisted: every layer's expert stack in f16 at
+  once (the planner measured 155 GB for the 80B FP8's decode). Bytes slice and index as bytes.
 - The dequantised value is `(f32(q) * f32(scale))` cast to the activation dtype: what a CPU
   reference that dequantises per block and multiplies in bf16/f32 computes (not the GPU engines'
   dynamic per-token activation quantisation, whose result differs by the activation's rounding).
@@ -27,15 +32,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import numpy as np
 from flax import struct
 
-#: The stored dtype of a converted weight (safetensors `F8_E4M3`).
+#: The dtype of a converted weight's values (safetensors `F8_E4M3`).
 FP8_DTYPE = ml_dtypes.float8_e4m3fn
+#: How `Fp8BlockWeight.q` holds them: their bytes.
+BITS_DTYPE = jnp.uint8
+
+
+def e4m3_bits(values):
+    """An e4m3 array (numpy or jax) as its bytes (`BITS_DTYPE`), the form `Fp8BlockWeight.q` holds."""
+    if isinstance(values, np.ndarray):
+        return values.view(np.uint8)
+    return jax.lax.bitcast_convert_type(values, BITS_DTYPE)
 
 
 @struct.dataclass
 class Fp8BlockWeight:
-    """A weight [..., out, in] as e4m3 values `q` [..., out_q, in] with f32 `scale`
+    """A weight [..., out, in] as e4m3 values `q` [..., out_q, in] (their bytes) with `scale`
     [..., ceil(out_q / block[0]), ceil(in / block[1])], then `tail` [..., out - out_q, in] (rows
     kept at full precision; None when there are none). `block` is static."""
 
@@ -53,8 +68,8 @@ class Fp8BlockWeight:
 
     @property
     def dtype(self):
-        """The stored dtype of the converted rows (e4m3)."""
-        return self.q.dtype
+        """The dtype of the converted rows' values (e4m3; `q` holds their bytes)."""
+        return FP8_DTYPE
 
     @property
     def ndim(self) -> int:
@@ -76,7 +91,8 @@ class Fp8BlockWeight:
         rows, cols = self.q.shape[-2:]
         rb, cb = self.block
         scale = jnp.repeat(jnp.repeat(self.scale, rb, axis=-2)[..., :rows, :], cb, axis=-1)[..., :cols]
-        w = (self.q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+        values = jax.lax.bitcast_convert_type(self.q, FP8_DTYPE)
+        w = (values.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
         if self.tail is None:
             return w
         lead = w.shape[:-2]
