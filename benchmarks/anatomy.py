@@ -74,7 +74,7 @@ def _speculative(cfg, params, d: int, iters: int, prompt: list[int], base: dict)
 
     fused = _undone(seq, lambda: eng.speculative_step([seq], flat, [k], d))
     verify = _undone(seq, verdict)
-    propose = _undone(seq, lambda: eng.propose_batched([seq], [1], d))
+    propose = _undone(seq, lambda: eng.propose_batched([seq], [1], d, logits=False))
     rows = [
         {"engine": label, "step": f"fused step, K={k}", **_timed(eng, "speculative_step", fused, iters)},
         {"engine": label, "step": f"verify, K={k}", **_timed(eng, "step_rows", verify, iters)},

@@ -91,7 +91,7 @@ def ragged_verify_loop(
             t0 = time.perf_counter()
             caps = [engine.counts.slot_draft_capacity(s.slot) + 1 for s in seqs]
             ks = [max(1, min(PATTERN[step % len(PATTERN)][i % N_SEQS], kmax, c)) for i, c in enumerate(caps)]
-            drafts, _, _ = engine.propose_batched(seqs, last, kmax - 1)
+            drafts, _, _ = engine.propose_batched(seqs, last, kmax - 1, logits=False)
             for s in seqs:
                 engine.trim_proposer(s)
             rows = [[last[i], *[int(x) for x in drafts[i, : ks[i] - 1]]] for i in range(len(seqs))]

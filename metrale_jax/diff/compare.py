@@ -318,10 +318,13 @@ def _unjudged(part: Part, cuts: dict[int, int]) -> np.ndarray | None:
     return mask
 
 
-def diff_parts(ref: Sequence[Part], got: Sequence[Part], contract: Contract) -> list[PartDiff]:
+def diff_parts(
+    ref: Sequence[Part], got: Sequence[Part], contract: Contract, cuts: dict[int, int] | None = None
+) -> list[PartDiff]:
     """`diff_part` over two part lists; a missing or extra part is a structural violation; a
-    propose's draft chains are judged up to their excused flips (`draft_chain_cuts`)."""
-    cuts = draft_chain_cuts(ref, got, contract)
+    propose's draft chains are judged up to their excused flips (`cuts`: `draft_chain_cuts`'s,
+    computed here when not given)."""
+    cuts = draft_chain_cuts(ref, got, contract) if cuts is None else cuts
     out = [diff_part(x, y, contract, _unjudged(x, cuts)) for x, y in zip(ref, got)]
     for p in list(ref[len(got) :]) + list(got[len(ref) :]):
         where = {"part": p.name, "note": "present on one side only"}
@@ -367,8 +370,9 @@ def compare(variant: str, reference: Recording, run: Recording, contract: Contra
     first_violation: dict | None = None
     max_abs, max_ulp, argmax_equal, prefill_equal, excused = 0.0, None, True, True, 0
     for step, a, b in units:
-        diffs = diff_parts(a, b, contract)
-        excused += len(draft_chain_cuts(a, b, contract))
+        cuts = draft_chain_cuts(a, b, contract)
+        excused += len(cuts)
+        diffs = diff_parts(a, b, contract, cuts)
         if isinstance(step, int) and step in run.settled:
             if run.settled[step].contract != contract:
                 raise ValueError(

@@ -363,8 +363,7 @@ def diff_verify(
             at, row = steps // 2, offsets(ks)[n // 2] + ks[n // 2] - 1
             comparisons: list[Comparison] = []
             timings, fused_control, oracle_at = [timing(REFERENCE, ref)], None, 0
-            oracle_control: Comparison | None = None
-            oracle_clean: Comparison | None = None
+            oracle_control: tuple[Comparison, Comparison] | None = None  # (control, the clean comparison)
             for v in variants:
                 with selected(engine, v.forward, v.mesh):
                     if v.step == "oracle":
@@ -383,7 +382,7 @@ def diff_verify(
                         )
                         comparisons.append(dataclasses.replace(c, variant=v.label))
                         if oracle_control is None and control is not None:
-                            oracle_control, oracle_clean = control, c
+                            oracle_control = control, c
                         if states is not None:
                             states.clear()  # only the oracle reads them: the variants after it run without
                         progress.advance((1 + (j == 0)) * (steps + 1))
@@ -423,9 +422,9 @@ def diff_verify(
                 reasons.append(f"{where}: the detection control saw no difference after changing a draft")
             if fused_control is not None and not saw_difference(fused_control):
                 reasons.append(f"{where}: the fused step's detection control saw no difference after changing a draft")
-            oracle_fired = None
-            if oracle_control is not None and oracle_clean is not None:
-                oracle_fired = broke_from(oracle_control, oracle_at, oracle_clean)
+            oracle_fired = (
+                None if oracle_control is None else broke_from(oracle_control[0], oracle_at, oracle_control[1])
+            )
             if oracle_fired is False:
                 reasons.append(
                     f"{where}: the oracle's detection control kept its contract after a committed token changed"
@@ -464,7 +463,7 @@ def diff_verify(
             if fused_control is not None:
                 section["fused_detection_control"] = fused_control.to_json()
             if oracle_control is not None:
-                section["oracle_detection_control"] = {**oracle_control.to_json(), "fired": oracle_fired}
+                section["oracle_detection_control"] = {**oracle_control[0].to_json(), "fired": oracle_fired}
             if plain is not None:
                 section["plain_sampling"], section["plain_sampling_control"] = plain
             sections.append({"k": ks[0], **section} if single else section)

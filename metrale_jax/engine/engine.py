@@ -445,10 +445,12 @@ class Engine(VerdictProtocol):
         last: Sequence[int],
         num_drafts: int,
         sampling: Sequence[Sampling] | None = None,
+        logits: bool = True,
     ):
         """Batched MTP propose. Returns (drafts [n, nd] int32, confidences [n, nd] f32, each draft
-        position's logits [n, nd, V] f32), numpy. With `sampling` (per sequence) the drafts are
-        the drafter's draws with the target's noise (the coupled drafter)."""
+        position's logits [n, nd, V] f32; None with `logits` False: not fetched), numpy. With
+        `sampling` (per sequence) the drafts are the drafter's draws with the target's noise (the
+        coupled drafter)."""
         if not self.drafter:
             raise EngineError("no MTP drafter (needs --speculative and a checkpoint with MTP layers)")
         if not 1 <= num_drafts <= self.counts.propose_drafts:
@@ -458,13 +460,13 @@ class Engine(VerdictProtocol):
         x = batching.propose_batch(self.counts, seqs, last)
         static = ProposeStatic(self.cfg, self.counts, self.ops, num_drafts=num_drafts)
         static = static if sampling is None else sampled(static)
-        drafts, conf, logits, self.pool = self.programs.run(
+        drafts, conf, every, self.pool = self.programs.run(
             "propose", tr.propose, static, self.pool, self.params, x, *self._sampling_rows(seqs, sampling)
         )
         for s in seqs:
             s.last_num_drafted = num_drafts
             s.drafter_len = s.seq_len + num_drafts - 1
-        return self._fetch(drafts)[:n], self._fetch(conf)[:n], self._fetch(logits)[:n]
+        return self._fetch(drafts)[:n], self._fetch(conf)[:n], self._fetch(every)[:n] if logits else None
 
     def trim_proposer(self, seq: SequenceState, keep: int = 0) -> None:
         """Forget the drafter rows a propose chained past the committed context, keeping `keep`.

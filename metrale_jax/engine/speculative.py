@@ -333,7 +333,7 @@ class Scheduler:
                 return
             chosen = sampling_of([g.params for g in gens])
             d, c, _ = self.engine.propose_batched(
-                [g.seq for g in gens], [g.tokens[-1] for g in gens], max(keep), chosen
+                [g.seq for g in gens], [g.tokens[-1] for g in gens], max(keep), chosen, logits=False
             )
             for g in gens:
                 self.engine.trim_proposer(g.seq)
